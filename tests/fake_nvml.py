@@ -1,0 +1,277 @@
+"""A stand-in for the `pynvml` module that answers the calls `tf_nvlink.nvml.probe` makes, as real NVML does.
+
+Errors are real pynvml exceptions (`pynvml.NVMLError(code)` maps to `NVMLError_InvalidArgument` and friends),
+so the probe's error handling is exercised exactly as on hardware. The machines below are built from real systems;
+the 2x H200 values were read off the lent GPU machine (../shared/hardware-facts.md).
+
+Example:
+    >>> from tf_nvlink import nvml
+    >>> topo = nvml.probe(FakeNvml(h200_x2()))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Optional
+
+import pynvml
+
+GIB = 2**30
+NVML_VERSION_OF = {"2.0": 2, "2.2": 3, "3.0": 4, "3.1": 5, "4.0": 6, "5.0": 7}
+SWITCH = 2
+GPU = 0
+
+
+@dataclasses.dataclass
+class FakeLink:
+    remote_type: int  # NVML enum: 0 GPU, 1 IBM NPU, 2 switch
+    remote_pci: str  # what nvmlDeviceGetNvLinkRemotePciInfo().busId says
+    active: int = 1
+
+
+@dataclasses.dataclass
+class FakeGpu:
+    name: str
+    pci: str  # NVML spelling, 8-hex-digit domain
+    uuid: str
+    capability: tuple[int, int]
+    memory_gib: int
+    links: list[FakeLink] = dataclasses.field(default_factory=list)
+    nvlink_version: int = 6  # NVML enum
+    nvlink_supported: bool = True  # False: every NVLink call raises NotSupported (PCIe-only / consumer GPUs)
+    lost: bool = False  # nvmlDeviceGetHandleByIndex raises GPU_IS_LOST
+
+
+@dataclasses.dataclass
+class FakeMachine:
+    gpus: list[FakeGpu]
+    p2p_nvlink: dict  # {(a, b): status}; missing pairs are NOT_SUPPORTED (5)
+    pcie_level: dict  # {(a, b): level}; missing pairs are SYSTEM (50)
+    driver: str = "580.159.04"
+    init_error: Optional[int] = None  # an NVML error code nvmlInit raises
+    failing_calls: dict = dataclasses.field(default_factory=dict)  # {"nvmlDeviceGetUUID": code}
+
+
+class FakeNvml(types.SimpleNamespace):
+    """Module-like object with pynvml's names; counts nvmlInit/nvmlShutdown so tests can check pairing."""
+
+    def __init__(self, machine: FakeMachine):
+        super().__init__()
+        self.machine = machine
+        self.init_calls = 0
+        self.shutdown_calls = 0
+        self.calls: list[str] = []
+        self.NVMLError = pynvml.NVMLError
+        for name in dir(pynvml):
+            if name.startswith(("NVML_", "NVMLError_")):
+                setattr(self, name, getattr(pynvml, name))
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _check(self, call: str) -> None:
+        self.calls.append(call)
+        if self.init_calls <= self.shutdown_calls and call not in ("nvmlInit", "nvmlShutdown"):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if call in self.machine.failing_calls:
+            raise pynvml.NVMLError(self.machine.failing_calls[call])
+
+    def _gpu(self, handle) -> FakeGpu:
+        return self.machine.gpus[handle]
+
+    def _link(self, handle, link: int) -> FakeLink:
+        gpu = self._gpu(handle)
+        if not gpu.nvlink_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not isinstance(link, int) or not 0 <= link < len(gpu.links):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.links[link]
+
+    @staticmethod
+    def _pci_struct(bus_id: str):
+        return types.SimpleNamespace(busId=bus_id, busIdLegacy=bus_id[4:] if bus_id else "")
+
+    # -- the pynvml calls ------------------------------------------------------------------------------------
+    def nvmlInit(self):
+        self._check("nvmlInit")
+        if self.machine.init_error is not None:
+            raise pynvml.NVMLError(self.machine.init_error)
+        self.init_calls += 1
+
+    def nvmlShutdown(self):
+        self._check("nvmlShutdown")
+        if self.init_calls <= self.shutdown_calls:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        self.shutdown_calls += 1
+
+    def nvmlSystemGetDriverVersion(self):
+        self._check("nvmlSystemGetDriverVersion")
+        return self.machine.driver
+
+    def nvmlSystemGetNVMLVersion(self):
+        self._check("nvmlSystemGetNVMLVersion")
+        return "13." + self.machine.driver
+
+    def nvmlDeviceGetCount(self):
+        self._check("nvmlDeviceGetCount")
+        return len(self.machine.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self._check("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.machine.gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self.machine.gpus[index].lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return index
+
+    def nvmlDeviceGetName(self, handle):
+        self._check("nvmlDeviceGetName")
+        return self._gpu(handle).name
+
+    def nvmlDeviceGetUUID(self, handle):
+        self._check("nvmlDeviceGetUUID")
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        self._check("nvmlDeviceGetPciInfo")
+        return self._pci_struct(self._gpu(handle).pci)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle):
+        self._check("nvmlDeviceGetCudaComputeCapability")
+        return self._gpu(handle).capability
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        self._check("nvmlDeviceGetMemoryInfo")
+        total = self._gpu(handle).memory_gib * GIB
+        return types.SimpleNamespace(total=total, free=total - 600 * 2**20, used=600 * 2**20)
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        self._check("nvmlDeviceGetNvLinkState")
+        return self._link(handle, link).active
+
+    def nvmlDeviceGetNvLinkVersion(self, handle, link):
+        self._check("nvmlDeviceGetNvLinkVersion")
+        self._link(handle, link)
+        return self._gpu(handle).nvlink_version
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle, link):
+        self._check("nvmlDeviceGetNvLinkRemoteDeviceType")
+        return self._link(handle, link).remote_type
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle, link):
+        self._check("nvmlDeviceGetNvLinkRemotePciInfo")
+        return self._pci_struct(self._link(handle, link).remote_pci)
+
+    def nvmlDeviceGetNvLinkCapability(self, handle, link, capability):
+        self._check("nvmlDeviceGetNvLinkCapability")
+        self._link(handle, link)
+        return 1
+
+    def nvmlDeviceGetP2PStatus(self, handle1, handle2, index):
+        self._check("nvmlDeviceGetP2PStatus")
+        if not isinstance(index, int):  # what ctypes does with pynvml's NVML_P2P_CAPS_INDEX_READ == (0,)
+            raise TypeError("wrong type")
+        key = tuple(sorted((handle1, handle2)))
+        if index == pynvml.NVML_P2P_CAPS_INDEX_NVLINK:
+            return self.machine.p2p_nvlink.get(key, pynvml.NVML_P2P_STATUS_NOT_SUPPORTED)
+        if index == pynvml.NVML_P2P_CAPS_INDEX_PCI:
+            return pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+        return pynvml.NVML_P2P_STATUS_OK
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, handle1, handle2):
+        self._check("nvmlDeviceGetTopologyCommonAncestor")
+        return self.machine.pcie_level.get(tuple(sorted((handle1, handle2))), pynvml.NVML_TOPOLOGY_SYSTEM)
+
+
+# ---- machines built from real systems ----------------------------------------------------------------------
+
+def _pci(bus: int, device: int = 0) -> str:
+    return f"00000000:{bus:02X}:{device:02X}.0"
+
+
+def _all_pairs(n: int, value) -> dict:
+    return {(a, b): value for a in range(n) for b in range(a + 1, n)}
+
+
+def h200_x2() -> FakeMachine:
+    """The lent machine: 2x H200 SXM, 18 NVLink 4.0 links each into NVSwitches (a VM: switch PCI info empty)."""
+    gpus = [FakeGpu("NVIDIA H200", _pci(0, 6 + i), f"GPU-5c2f0e1a-0000-4000-8000-00000000000{i}", (9, 0), 141,
+                    links=[FakeLink(SWITCH, "") for _ in range(18)], nvlink_version=6) for i in range(2)]
+    return FakeMachine(gpus, p2p_nvlink=_all_pairs(2, 0), pcie_level=_all_pairs(2, 30))
+
+
+def h100_hgx_x8() -> FakeMachine:
+    """HGX H100 8-GPU: 18 NVLink 4.0 links per GPU into 4 NVSwitches; two PCIe switches per CPU socket."""
+    buses = [0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB]
+    switches = [_pci(0x05 + s) for s in range(4)]
+    gpus = [FakeGpu("NVIDIA H100 80GB HBM3", _pci(bus), f"GPU-h100-{i}", (9, 0), 80,
+                    links=[FakeLink(SWITCH, switches[link % 4]) for link in range(18)], nvlink_version=6)
+            for i, bus in enumerate(buses)]
+    level = {}
+    for a in range(8):
+        for b in range(a + 1, 8):
+            level[(a, b)] = 20 if a // 2 == b // 2 else 40 if a // 4 == b // 4 else 50
+    return FakeMachine(gpus, p2p_nvlink=_all_pairs(8, 0), pcie_level=level)
+
+
+# DGX-1 (8x V100) hybrid cube-mesh: two fully connected quads (0-3, 4-7) plus i <-> i+4; each GPU has 6 links,
+# doubled on some edges (nvidia-smi shows NV1 and NV2). Each GPU reaches 4 of the other 7, with 6 links in all.
+DGX1_EDGES = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, (1, 5): 2, (2, 3): 2, (2, 6): 1,
+              (3, 7): 1, (4, 5): 1, (4, 6): 1, (4, 7): 2, (5, 6): 2, (5, 7): 1, (6, 7): 2}
+
+
+def dgx1_v100_x8() -> FakeMachine:
+    buses = [0x06, 0x07, 0x0A, 0x0B, 0x85, 0x86, 0x89, 0x8A]
+    links: dict[int, list[FakeLink]] = {i: [] for i in range(8)}
+    for (a, b), count in DGX1_EDGES.items():
+        for _ in range(count):
+            links[a].append(FakeLink(GPU, _pci(buses[b])))
+            links[b].append(FakeLink(GPU, _pci(buses[a])))
+    gpus = [FakeGpu("Tesla V100-SXM2-16GB", _pci(bus), f"GPU-v100-{i}", (7, 0), 16, links=links[i],
+                    nvlink_version=2) for i, bus in enumerate(buses)]
+    level = {}
+    for a in range(8):
+        for b in range(a + 1, 8):
+            level[(a, b)] = 10 if a // 2 == b // 2 else 40 if a // 4 == b // 4 else 50
+    return FakeMachine(gpus, p2p_nvlink={edge: 0 for edge in DGX1_EDGES}, pcie_level=level)
+
+
+def rtx3090_x2_bridge() -> FakeMachine:
+    """2x GeForce RTX 3090 joined by an NVLink bridge: 4 links, version enum 5 (reported as 3.1)."""
+    pcis = [_pci(0x01), _pci(0x21)]
+    gpus = [FakeGpu("NVIDIA GeForce RTX 3090", pcis[i], f"GPU-3090-{i}", (8, 6), 24,
+                    links=[FakeLink(GPU, pcis[1 - i]) for _ in range(4)], nvlink_version=5) for i in range(2)]
+    return FakeMachine(gpus, p2p_nvlink={(0, 1): 0}, pcie_level={(0, 1): 40})
+
+
+def pcie_x4() -> FakeMachine:
+    """4 PCIe-only GPUs (L40S): every NVLink call raises NotSupported; pairs on one switch are PIX."""
+    gpus = [FakeGpu("NVIDIA L40S", _pci(0x17 + 0x20 * i), f"GPU-l40s-{i}", (8, 9), 45, nvlink_supported=False)
+            for i in range(4)]
+    level = {(a, b): 10 if a // 2 == b // 2 else 30 for a in range(4) for b in range(a + 1, 4)}
+    return FakeMachine(gpus, p2p_nvlink={}, pcie_level=level)
+
+
+def bridged_pairs_x4() -> FakeMachine:
+    """4x A100 PCIe with NVLink bridges joining GPUs 0-1 and 2-3 (12 links each, version enum 5)."""
+    pcis = [_pci(0x17), _pci(0x31), _pci(0xB1), _pci(0xCA)]
+    peer = {0: 1, 1: 0, 2: 3, 3: 2}
+    gpus = [FakeGpu("NVIDIA A100 80GB PCIe", pcis[i], f"GPU-a100-{i}", (8, 0), 80,
+                    links=[FakeLink(GPU, pcis[peer[i]]) for _ in range(12)], nvlink_version=5) for i in range(4)]
+    level = {(a, b): 40 if a // 2 == b // 2 else 50 for a in range(4) for b in range(a + 1, 4)}
+    return FakeMachine(gpus, p2p_nvlink={(0, 1): 0, (2, 3): 0}, pcie_level=level)
+
+
+def no_driver() -> FakeMachine:
+    """A machine without the NVIDIA driver: nvmlInit raises DriverNotLoaded."""
+    return FakeMachine([], p2p_nvlink={}, pcie_level={}, init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+
+MACHINES = {
+    "h200_x2": h200_x2,
+    "h100_hgx_x8": h100_hgx_x8,
+    "dgx1_v100_x8": dgx1_v100_x8,
+    "rtx3090_x2_bridge": rtx3090_x2_bridge,
+    "pcie_x4": pcie_x4,
+    "bridged_pairs_x4": bridged_pairs_x4,
+    "no_driver": no_driver,
+}

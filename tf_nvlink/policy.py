@@ -1,0 +1,212 @@
+"""Topology and requested GPUs in, a `Plan` (devices, cross-device ops, packs, reason) out. Pure: no TensorFlow.
+
+The rules are grounded in measurements recorded in BUILD_NOTES.md ("Policy rules and the figures behind them").
+
+Example:
+    >>> from tf_nvlink import nvml, policy
+    >>> p = policy.make_plan(nvml.probe(), gpus="all", cross_device_ops="auto")
+    >>> p.summary()
+    'tf_nvlink plan: GPUs [0, 1] (nvswitch, 478 GB/s per direction) -> nccl, num_packs=1: ...'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping, Optional, Sequence, Union
+
+from tf_nvlink.topology import Topology
+
+# The cross-device ops a user can name, mapped to what TensorFlow calls them.
+OPS = {
+    "nccl": "tf.distribute.NcclAllReduce",
+    "hierarchical": "tf.distribute.HierarchicalCopyAllReduce",
+    "reduce_to_one": "tf.distribute.ReductionToOneDevice",
+    "collective": "CollectiveAllReduce (TensorFlow's MirroredStrategy default, NCCL inside)",
+}
+OPS_CHOICES = ("auto",) + tuple(OPS)
+# Ops that pack gradients into `num_packs` buffers (tf.distribute.AllReduceCrossDeviceOps).
+PACKED_OPS = ("nccl", "hierarchical")
+GpuSpec = Union[str, Sequence[int], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `tf_nvlink.strategy()` builds, and why.
+
+    `gpus` are NVML (nvidia-smi) indices; `devices` the TensorFlow device names the strategy mirrors over
+    (filled in by the strategy, which maps GPUs to TensorFlow devices by PCI bus id).
+    """
+
+    gpus: tuple[int, ...]
+    cross_device_ops: str  # a key of OPS
+    num_packs: Optional[int]
+    reason: str
+    fingerprint: str
+    shape: str  # Topology.kind(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
+    nvlink_gbps: float  # slowest pair's NVLink GB/s per direction (0 without NVLink)
+    devices: tuple[str, ...] = ()
+    requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
+
+    @property
+    def on_cpu(self) -> bool:
+        return not self.gpus
+
+    def summary(self) -> str:
+        """One line for the log and the report."""
+        where = f"GPUs {list(self.gpus)} ({self.shape}" if self.gpus else "CPU (no GPU"
+        if self.nvlink_gbps:
+            where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
+        packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
+        return f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}: {self.reason} [topology {self.fingerprint}]"
+
+    def to_dict(self) -> dict:
+        record = dataclasses.asdict(self)
+        record["gpus"] = list(self.gpus)
+        record["devices"] = list(self.devices)
+        record["requested"] = [list(v) if isinstance(v, tuple) else v for v in self.requested]
+        record["tensorflow_class"] = OPS.get(self.cross_device_ops)
+        return record
+
+
+def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int]] = None) -> tuple[int, ...]:
+    """Resolve a `gpus` request to NVML indices.
+
+    `spec` is "all" (every GPU TensorFlow can see), "auto" (the largest NVLink-connected group), a list of
+    indices, or a string such as "0,1" (absl-flag friendly). `visible` are the NVML indices TensorFlow can see
+    (default: all of them).
+
+    Example:
+        >>> parse_gpus("1,0", topo)
+        (1, 0)
+    """
+    visible = tuple(topology.indices if visible is None else visible)
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "all":
+            return visible
+        if text == "auto":
+            return auto_gpus(topology, visible)
+        if not text:
+            raise ValueError(f"gpus should be 'all', 'auto', or GPU indices such as '0,1'. Received: gpus={spec!r}")
+        items: list = [item.strip() for item in text.split(",")]
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        items = [spec]
+    elif isinstance(spec, (list, tuple)):
+        items = list(spec)
+    else:
+        raise ValueError(f"gpus should be 'all', 'auto', a list of GPU indices or a string such as '0,1'. "
+                         f"Received: gpus={spec!r}")
+    if not items:
+        raise ValueError(f"gpus should name at least one GPU; this machine has {list(visible)}. "
+                         f"Received: gpus={spec!r}")
+    indices = []
+    for item in items:
+        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str)
+                                                                   and re.fullmatch(r"\d+", item))):
+            raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
+                             f"{list(visible)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
+        index = int(item)
+        if index in indices:
+            raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Received: gpus={spec!r}")
+        if index not in visible:
+            hidden = " (hidden from TensorFlow by CUDA_VISIBLE_DEVICES)" if index in topology.indices else ""
+            raise ValueError(f"GPU {index} does not exist on this machine{hidden}; valid GPU indices are "
+                             f"{list(visible)}. Received: gpus={spec!r}")
+        indices.append(index)
+    return tuple(indices)
+
+
+def auto_gpus(topology: Topology, visible: Sequence[int]) -> tuple[int, ...]:
+    """The largest NVLink-connected group of visible GPUs; ties go to the faster links, then more free memory."""
+    visible_set = set(visible)
+    groups = [tuple(i for i in group if i in visible_set) for group in topology.nvlink_groups()]
+    groups = [g for g in groups if g]
+    if not groups:
+        return ()
+
+    def rank(group):
+        free = sum(topology.gpu(i).memory_free_mib or 0 for i in group)
+        return (-len(group), -topology.min_pair_gbps(group), -free, group)
+
+    return min(groups, key=rank)
+
+
+def validate_ops(cross_device_ops: str, num_packs) -> None:
+    """Check the user's ops name and num_packs, with a message naming the bad value and the valid choices."""
+    if cross_device_ops not in OPS_CHOICES:
+        raise ValueError(f"cross_device_ops should be one of {list(OPS_CHOICES)} or a "
+                         f"tf.distribute.CrossDeviceOps instance. Received: cross_device_ops={cross_device_ops!r}")
+    if num_packs is not None:
+        if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
+            raise ValueError(f"num_packs should be a non-negative integer (0 = no packing) or None for the "
+                             f"policy's choice. Received: num_packs={num_packs!r}")
+        if cross_device_ops not in PACKED_OPS + ("auto",):
+            raise ValueError(f"num_packs applies to cross_device_ops in {list(PACKED_OPS)}, not "
+                             f"{cross_device_ops!r}. Received: num_packs={num_packs!r}")
+
+
+def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str = "auto",
+              num_packs: Optional[int] = None, visible: Optional[Sequence[int]] = None) -> Plan:
+    """Choose GPUs and cross-device ops for `topology`.
+
+    Raises ValueError for requests that cannot work (unknown GPUs or ops, NCCL without GPUs, hierarchical copy
+    on an odd number of GPUs, which silently drops the last replica's gradient).
+    """
+    validate_ops(cross_device_ops, num_packs)
+    requested = (gpus if isinstance(gpus, (str, int)) else tuple(gpus), cross_device_ops, num_packs)
+    if not topology.gpus or (visible is not None and not visible):
+        chosen: tuple[int, ...] = ()
+    else:
+        chosen = parse_gpus(gpus, topology, visible)
+    shape = topology.kind(chosen)
+    gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
+    ops, packs, reason = _choose_ops(topology, chosen, shape, cross_device_ops, num_packs)
+    return Plan(gpus=chosen, cross_device_ops=ops, num_packs=packs, reason=reason,
+                fingerprint=topology.fingerprint(), shape=shape, nvlink_gbps=round(gbps, 1), requested=requested)
+
+
+def is_dgx1_like(topology: Topology, chosen: Sequence[int]) -> bool:
+    """8 GPUs with direct NVLink where each reaches exactly 4 others: the hybrid cube-mesh
+    HierarchicalCopyAllReduce was written for."""
+    if len(chosen) != 8:
+        return False
+    for a in chosen:
+        peers = [b for b in chosen if b != a and topology.pair(a, b).direct_links > 0]
+        if len(peers) != 4:
+            return False
+    return True
+
+
+def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, requested: str,
+                num_packs: Optional[int]) -> tuple[str, Optional[int], str]:
+    n = len(chosen)
+    if requested != "auto":
+        if requested == "nccl" and n == 0:
+            raise ValueError("cross_device_ops='nccl' needs GPUs, and this process sees none; NCCL does not run "
+                             "on CPU devices. Use 'auto', 'reduce_to_one' or 'collective'.")
+        if requested == "hierarchical" and n % 2 == 1 and n > 1:
+            raise ValueError(f"cross_device_ops='hierarchical' with {n} GPUs would silently drop the last "
+                             f"replica's gradient (HierarchicalCopyAllReduce needs an even number of GPUs). Use "
+                             f"'auto', 'nccl', 'collective' or 'reduce_to_one', or an even number of GPUs.")
+        packs = num_packs if num_packs is not None else (1 if requested in PACKED_OPS else None)
+        return requested, packs, "requested by the caller"
+    if n == 0:
+        return ("reduce_to_one", None, "no GPU visible: mirrored over the CPU, gradients reduced on one device "
+                "(NCCL does not run on CPU devices)")
+    if n == 1:
+        return "reduce_to_one", None, "one GPU: no all-reduce happens, nothing to choose"
+    packs = 1 if num_packs is None else num_packs
+    if shape in ("nvswitch", "nvlink-all"):
+        link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
+        return ("nccl", packs,
+                f"all {n} GPUs reach each other {link}: NCCL all-reduce of the gradients packed into {packs} "
+                f"buffer(s), one launch per step instead of one per tensor (measured fastest, see BUILD_NOTES.md)")
+    if shape == "nvlink-partial" and is_dgx1_like(topology, chosen):
+        return ("hierarchical", packs, "8 GPUs in a DGX-1 hybrid cube-mesh: HierarchicalCopyAllReduce was built "
+                "for exactly this shape (reduce within each NVLink quad, then across)")
+    if shape == "nvlink-partial":
+        return ("nccl", packs, "some GPU pairs lack NVLink: NCCL routes rings over NVLink where it can and "
+                "PCIe/host memory elsewhere; hierarchical copy assumes the DGX-1 wiring and is not used")
+    return ("nccl", packs, "PCIe only (no NVLink between these GPUs): NCCL's ring all-reduce is bandwidth-"
+            "optimal over PCIe; reduce-to-one would funnel every gradient through one GPU's PCIe link")
