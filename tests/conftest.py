@@ -1,0 +1,41 @@
+"""Shared test setup.
+
+TensorFlow fixes its device list at first use and tolerates one MirroredStrategy per process, so:
+- the `tf` fixture imports TensorFlow once and splits the CPU into N_LOGICAL_CPUS logical devices;
+- tests that need another device layout or another strategy run a subprocess (`run_python`).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fake_nvml.py
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+N_LOGICAL_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def tf():
+    """TensorFlow with the CPU split into N_LOGICAL_CPUS logical devices (configured once per process)."""
+    import tensorflow as tf_module
+
+    cpus = tf_module.config.list_physical_devices("CPU")
+    try:
+        tf_module.config.set_logical_device_configuration(
+            cpus[0], [tf_module.config.LogicalDeviceConfiguration()] * N_LOGICAL_CPUS)
+    except RuntimeError:
+        pass  # already initialised by an earlier test in this process: keep its layout
+    return tf_module
+
+
+def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):
+    """Run `python -c code` (str) or `python args...` (list) in a fresh process; returns CompletedProcess."""
+    args = [sys.executable, "-c", code_or_args] if isinstance(code_or_args, str) else [sys.executable,
+                                                                                         *code_or_args]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env.update(env or {})
+    return subprocess.run(args, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
