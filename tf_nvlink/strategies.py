@@ -1,0 +1,177 @@
+"""Builds the tf.distribute strategy from a policy `Plan`.
+
+Example:
+    >>> import tf_nvlink
+    >>> strategy = tf_nvlink.strategy()              # every GPU, all-reduce chosen from the topology
+    >>> with strategy.scope():
+    ...     model = build_model()
+    ...     model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    >>> model.fit(x, y)
+    >>> tf_nvlink.current_plan().summary()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tf_nvlink import devices as devices_lib
+from tf_nvlink import nvml, policy, xla
+from tf_nvlink.topology import Topology
+
+log = logging.getLogger("tf_nvlink")
+
+
+class NVLinkMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.MirroredStrategy):
+    """A `tf.distribute.MirroredStrategy` that knows its plan and runs XLA per replica.
+
+    Everything TensorFlow and Keras do with a MirroredStrategy works unchanged (it is one); `plan` says which
+    GPUs and cross-device ops were chosen and why.
+    """
+
+    def __init__(self, devices: Sequence[str], cross_device_ops=None, plan: Optional[policy.Plan] = None):
+        super().__init__(devices=list(devices), cross_device_ops=cross_device_ops)
+        self._tf_nvlink_plan = plan
+
+    @property
+    def plan(self) -> Optional[policy.Plan]:
+        return self._tf_nvlink_plan
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        if self.num_replicas_in_sync > 1 and _XLA_PROBLEM[0] and _in_xla_context():
+            raise xla.UnsupportedKerasError(
+                f"XLA across replicas is not possible with this Keras: {_XLA_PROBLEM[0]}. tf_nvlink supports "
+                f"Keras {'.'.join(map(str, xla.TESTED_KERAS[0]))} to {'.'.join(map(str, xla.TESTED_KERAS[1]))}; "
+                "compile with jit_compile=False or install a supported Keras.")
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+
+def _in_xla_context() -> bool:
+    from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+_XLA_PROBLEM: list[Optional[str]] = [None]
+_LOCK = threading.Lock()
+_CURRENT: dict = {}
+
+
+def current_plan() -> Optional[policy.Plan]:
+    """The plan of the strategy built in this process, or None."""
+    return _CURRENT.get("plan")
+
+
+def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
+    """The tf.distribute.CrossDeviceOps for a plan (None means MirroredStrategy's default, CollectiveAllReduce)."""
+    name, packs = plan.cross_device_ops, plan.num_packs
+    if name == "nccl":
+        return tf.distribute.NcclAllReduce(num_packs=1 if packs is None else packs)
+    if name == "hierarchical":
+        return tf.distribute.HierarchicalCopyAllReduce(num_packs=1 if packs is None else packs)
+    if name == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice(reduce_to_device=device_names[0])
+    if name == "collective":
+        return None
+    raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
+
+
+def _request_key(gpus, cross_device_ops, num_packs, devices):
+    gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
+        else gpus
+    ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None)
+
+
+def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
+             devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
+             ) -> tf.distribute.MirroredStrategy:
+    """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
+
+    Args:
+        gpus: "all" (every GPU TensorFlow sees, like MirroredStrategy), "auto" (the largest NVLink-connected
+            group; ties go to faster links, then more free memory), a list of NVML/nvidia-smi indices, or a
+            string such as "0,1". Indices are mapped to TensorFlow devices by PCI bus id, so
+            `CUDA_VISIBLE_DEVICES` reordering is honoured.
+        cross_device_ops: "auto" (the policy decides from the topology), "nccl", "hierarchical",
+            "reduce_to_one", "collective" (TensorFlow's default CollectiveAllReduce), or a
+            `tf.distribute.CrossDeviceOps` instance.
+        num_packs: gradient packs for "nccl"/"hierarchical" (None: the policy's choice).
+        devices: explicit TensorFlow device names, overriding `gpus` (e.g. ["/cpu:0", "/cpu:1"] in tests).
+        topology: a `Topology` to plan for (default: probe NVML now).
+
+    Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
+    same request returns the same strategy; a different request raises RuntimeError.
+
+    Example:
+        >>> s = strategy(gpus="0,1", cross_device_ops="auto")
+        >>> s.num_replicas_in_sync, s.plan.cross_device_ops
+        (2, 'nccl')
+    """
+    key = _request_key(gpus, cross_device_ops, num_packs, devices)
+    with _LOCK:
+        if _CURRENT:
+            if _CURRENT["key"] == key:
+                return _CURRENT["strategy"]
+            raise RuntimeError(
+                f"tf_nvlink.strategy() was already called in this process with a different request "
+                f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
+                f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
+                f"arguments returns it), or run the other configuration in its own process.")
+        built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology)
+        _CURRENT.update(key=key, strategy=built, plan=plan)
+    log.info(plan.summary())
+    return built
+
+
+def _build(gpus, cross_device_ops, num_packs, devices, topology):
+    ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
+    if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
+        raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
+                         f"tf.distribute.CrossDeviceOps instance. Received: cross_device_ops={cross_device_ops!r}")
+    ops_name = "auto" if ops_instance is not None else cross_device_ops
+    topology = topology if topology is not None else nvml.probe()
+    for warning in topology.warnings:
+        log.warning("tf_nvlink: %s", warning)
+    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
+    visible = devices_lib.visible_nvml_indices(topology)
+    if topology.gpus and not tf_gpu_count:
+        built_with_cuda = tf.test.is_built_with_cuda()
+        log.warning("tf_nvlink: NVML sees %d GPU(s) but TensorFlow sees none (%s); falling back to the CPU.",
+                    len(topology.gpus), "CUDA_VISIBLE_DEVICES hides them" if built_with_cuda
+                    else "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'")
+        visible = []
+    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible)
+    if devices:
+        device_names = list(devices)
+    elif plan.gpus:
+        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(topology))
+    else:
+        if tf_gpu_count and not topology.gpus:
+            log.warning("tf_nvlink: TensorFlow sees %d GPU(s) but NVML does not (%s); mirroring over them "
+                        "with TensorFlow's default all-reduce.", tf_gpu_count, topology.error)
+            device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
+            plan = _replace(plan, cross_device_ops="collective", num_packs=None,
+                            reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
+        else:
+            device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if ops_instance is not None:
+        plan = _replace(plan, cross_device_ops=type(ops_instance).__name__, num_packs=None,
+                        reason="a CrossDeviceOps instance given by the caller")
+        ops = ops_instance
+    else:
+        ops = build_cross_device_ops(plan, device_names)
+    plan = _replace(plan, devices=tuple(device_names))
+    _XLA_PROBLEM[0] = xla.install_keras_hooks()
+    if _XLA_PROBLEM[0]:
+        log.warning("tf_nvlink: per-replica XLA unavailable: %s", _XLA_PROBLEM[0])
+    return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def _replace(plan: policy.Plan, **changes) -> policy.Plan:
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.replace(plan, **changes)

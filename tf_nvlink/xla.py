@@ -1,0 +1,231 @@
+"""XLA on every replica: `model.fit(jit_compile=True)` under a tf_nvlink strategy.
+
+Why this exists: Keras 3 puts `jit_compile` on the function that wraps `strategy.run(...)`, so one XLA cluster
+spans all replicas and TensorFlow fails with "Trying to access resource .../replica_1 located in device GPU:1
+from device GPU:0" (and for `jit_compile="auto"` Keras simply turns XLA off under any strategy, which costs 4.6x
+on ResNet-50). The fix has two parts:
+
+1. `PerReplicaXlaStrategyMixin.run` gives each replica its own compiled copy of any `jit_compile=True`
+   tf.function passed to `strategy.run` (Keras' predict step; custom loops).
+2. A hook on Keras' `TensorFlowTrainer._make_function` (train and test steps) keeps XLA off the function that
+   spans the replicas and instead runs `train_step`/`test_step` through `PerReplicaXlaStep`: one compiled
+   function per replica for the forward pass, loss, metrics and gradients. The optimizer step stays outside
+   XLA, because it all-reduces the gradients through the strategy's cross-device ops (a `merge_call`, which XLA
+   cannot hold): the gradients are caught at `optimizer.apply` inside the compiled function, returned from it,
+   and applied right after.
+
+The hook is installed once, on the first tf_nvlink strategy, and touches only models whose strategy is a
+tf_nvlink one; every other model runs Keras' code unchanged. The Keras internals relied on are checked by
+`check_keras_support()` (and pinned by tests/test_xla.py); on a Keras without them, a jit-compiled fit under
+a multi-replica tf_nvlink strategy raises `UnsupportedKerasError` instead of failing deep inside TensorFlow.
+
+`jit_compile="auto"` under a tf_nvlink strategy means XLA when Keras' own rule would enable it without a
+strategy (the model's layers support XLA and a GPU is present); on CPU-only machines it stays off, as in Keras.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+
+# Keras versions whose trainer internals tests/test_xla.py pins (first, last tested minor version).
+TESTED_KERAS = ((3, 12), (3, 15))
+
+
+class UnsupportedKerasError(RuntimeError):
+    """The installed Keras lacks the trainer internals per-replica XLA relies on."""
+
+
+def _keras_trainer_class():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: PLC0415
+
+    return TensorFlowTrainer
+
+
+def check_keras_support() -> str | None:
+    """None when this Keras can run per-replica XLA, else the reason it cannot."""
+    try:
+        import keras  # noqa: PLC0415
+
+        trainer = _keras_trainer_class()
+    except Exception as exc:  # noqa: BLE001 - any import problem means "not supported"
+        return f"cannot import Keras' TensorFlow trainer ({exc})"
+    version = tuple(int(p) for p in keras.__version__.split(".")[:2] if p.isdigit())
+    missing = [name for name in ("_make_function", "_resolve_auto_jit_compile", "train_step", "test_step")
+               if not hasattr(trainer, name)]
+    if missing:
+        return f"Keras {keras.__version__} has no TensorFlowTrainer.{', '.join(missing)}"
+    if version[:1] != (3,):
+        return f"Keras {keras.__version__} is not Keras 3"
+    return None
+
+
+def _is_tf_nvlink(strategy) -> bool:
+    return isinstance(strategy, PerReplicaXlaStrategyMixin)
+
+
+def _per_replica_wanted(model) -> bool:
+    strategy = model.distribute_strategy
+    return (_is_tf_nvlink(strategy) and strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
+            and not model.run_eagerly)
+
+
+_INSTALL_LOCK = threading.Lock()
+_ORIGINALS: dict[str, Callable] = {}
+
+
+def install_keras_hooks() -> str | None:
+    """Install the trainer hooks once; returns None when installed, else why not (and nothing is changed)."""
+    with _INSTALL_LOCK:
+        if _ORIGINALS:
+            return None
+        problem = check_keras_support()
+        if problem:
+            return problem
+        trainer = _keras_trainer_class()
+        _ORIGINALS["_make_function"] = trainer._make_function
+        _ORIGINALS["_resolve_auto_jit_compile"] = trainer._resolve_auto_jit_compile
+
+        def _make_function(self, step_function):
+            if not _per_replica_wanted(self):
+                return _ORIGINALS["_make_function"](self, step_function)
+            kind = "train" if step_function == self.train_step else "test"
+            step = PerReplicaXlaStep(self, step_function, kind)
+            saved = self._jit_compile
+            self._jit_compile = False  # the function spanning the replicas must not be one XLA cluster
+            try:
+                return _ORIGINALS["_make_function"](self, step)
+            finally:
+                self._jit_compile = saved
+
+        def _resolve_auto_jit_compile(self):
+            strategy = self._distribute_strategy
+            if not _is_tf_nvlink(strategy):
+                return _ORIGINALS["_resolve_auto_jit_compile"](self)
+            from keras.src.trainers.trainer import model_supports_jit  # noqa: PLC0415
+
+            if not tf.config.list_logical_devices("GPU"):
+                return False  # Keras' rule: no XLA on CPU-only machines
+            return model_supports_jit(self)
+
+        trainer._make_function = _make_function
+        trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+        return None
+
+
+def uninstall_keras_hooks() -> None:
+    """Restore Keras' own trainer methods (tests use this to show what the hooks fix)."""
+    with _INSTALL_LOCK:
+        trainer = _keras_trainer_class()
+        for name, original in _ORIGINALS.items():
+            setattr(trainer, name, original)
+        _ORIGINALS.clear()
+
+
+def _replica_id() -> int:
+    context = tf.distribute.get_replica_context()
+    replica_id = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
+    return int(replica_id or 0)
+
+
+class PerReplicaXlaStep:
+    """Stands in for `model.train_step`/`test_step` inside `strategy.run`: XLA per replica, optimizer outside.
+
+    Example (what the Keras hook does for you):
+        >>> step = PerReplicaXlaStep(model, model.train_step, "train")
+        >>> strategy.run(step, args=(batch,))
+    """
+
+    def __init__(self, model, step_function: Callable, kind: str):
+        self.model = model
+        self.step_function = step_function
+        self.kind = kind
+        self._compiled: dict[int, Any] = {}
+        self._applied_variables: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def _compiled_for(self, replica_id: int):
+        with self._lock:
+            if replica_id not in self._compiled:
+                body = self._train_body(replica_id) if self.kind == "train" else self.step_function
+                self._compiled[replica_id] = tf.function(body, jit_compile=True, reduce_retracing=True,
+                                                         autograph=False)
+            return self._compiled[replica_id]
+
+    def _train_body(self, replica_id: int) -> Callable:
+        optimizer = self.model.optimizer
+
+        def body(data):
+            caught: dict[str, list] = {}
+
+            def catch_apply(grads, trainable_variables=None):
+                caught["grads"] = list(grads)
+                caught["variables"] = list(trainable_variables if trainable_variables is not None
+                                           else optimizer._trainable_variables)
+
+            optimizer.apply = catch_apply  # instance attribute shadows the method while tracing
+            try:
+                logs = self.step_function(data)
+            finally:
+                del optimizer.apply
+            if "grads" not in caught:
+                raise UnsupportedKerasError(
+                    "tf_nvlink's per-replica XLA needs train_step to update weights through "
+                    "self.optimizer.apply_gradients() or self.optimizer.apply(); this train_step does neither. "
+                    "Compile with jit_compile=False, or call the optimizer in train_step.")
+            pairs = [(i, g) for i, g in enumerate(caught["grads"]) if g is not None]
+            self._applied_variables[replica_id] = [(i, caught["variables"][i]) for i, _ in pairs]
+            return logs, [g for _, g in pairs]
+
+        return body
+
+    def __call__(self, data):
+        replica_id = _replica_id()
+        compiled = self._compiled_for(replica_id)
+        if self.kind != "train":
+            return compiled(data)
+        logs, grads = compiled(data)
+        variables = [v for _, v in self._applied_variables[replica_id]]
+        if variables:
+            # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
+            self.model.optimizer.apply(grads, variables)
+        return logs
+
+
+class PerReplicaXlaStrategyMixin:
+    """Gives each replica its own compiled copy of a `jit_compile=True` tf.function passed to `run`."""
+
+    _per_replica_functions: dict
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        target = getattr(fn, "__wrapped__", fn)
+        if self.num_replicas_in_sync > 1 and getattr(target, "_jit_compile", False) and hasattr(
+                target, "python_function"):
+            fn = self._per_replica_copy(fn, target)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _per_replica_copy(self, fn, target):
+        if not hasattr(self, "_per_replica_functions"):
+            self._per_replica_functions = {}
+        key = id(target)
+        if key not in self._per_replica_functions:
+            copies: dict[int, Any] = {}
+            lock = threading.Lock()
+            python_function = target.python_function
+            unwrap_optionals = fn is not target  # Keras' _autoconvert_optionals wrapper
+
+            def per_replica(*call_args, **call_kwargs):
+                replica_id = _replica_id()
+                with lock:
+                    if replica_id not in copies:
+                        copies[replica_id] = tf.function(python_function, jit_compile=True,
+                                                         reduce_retracing=True)
+                if unwrap_optionals:
+                    call_args = tf.nest.map_structure(
+                        lambda x: None if isinstance(x, tf.experimental.Optional) else x, call_args)
+                return copies[replica_id](*call_args, **call_kwargs)
+
+            self._per_replica_functions[key] = (target, per_replica)  # keep target alive: ids are reused
+        return self._per_replica_functions[key][1]
