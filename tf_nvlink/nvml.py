@@ -68,13 +68,14 @@ class _Session:
         self.nvml = nvml
         self.warnings: list[str] = []
 
-    def query(self, what: str, fn: Callable, *args, quiet_codes: tuple[int, ...] = (_ERROR_NOT_SUPPORTED,)):
+    def query(self, what: str, fn: Callable, *args, quiet_codes: tuple[int, ...] = (_ERROR_NOT_SUPPORTED,),
+              outcome: str = "shown as N/A"):
         """fn(*args), or None when NVML says this GPU cannot answer. Other errors are noted once as warnings."""
         try:
             return fn(*args)
         except self.nvml.NVMLError as exc:
             if _error_code(exc) not in quiet_codes:
-                self.warnings.append(f"NVML {what} failed: {exc}; shown as N/A")
+                self.warnings.append(f"NVML {what} failed: {exc}; {outcome}")
             return None
 
 
@@ -112,7 +113,8 @@ def _probe_initialised(session: _Session) -> Topology:
     handles: dict[int, Any] = {}
     gpus: list[Gpu] = []
     for index in range(count):
-        handle = session.query(f"GPU {index} handle", nvml.nvmlDeviceGetHandleByIndex, index, quiet_codes=())
+        handle = session.query(f"GPU {index} handle", nvml.nvmlDeviceGetHandleByIndex, index, quiet_codes=(),
+                               outcome="GPU left out")
         if handle is None:
             continue  # a lost GPU is reported in warnings and left out, not a crashed probe
         gpu = _read_gpu(session, index, handle)

@@ -315,7 +315,9 @@ class Topology:
         gpus = []
         for gpu in self.gpus:
             record = convert({f.name: getattr(gpu, f.name) for f in dataclasses.fields(gpu) if f.name != "links"})
-            record["links"] = [convert(dataclasses.asdict(link)) for link in gpu.links]
+            # Not dataclasses.asdict: it would turn each link's remote PciBusId into a dict of integers.
+            record["links"] = [convert({f.name: getattr(link, f.name) for f in dataclasses.fields(link)})
+                               for link in gpu.links]
             record["active_links"] = len(gpu.active_links)
             record["nvlink_version"] = gpu.nvlink_version
             record["nvlink_gbps"] = gpu.nvlink_gbps
