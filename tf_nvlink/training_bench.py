@@ -1,0 +1,219 @@
+"""Training throughput, 1 GPU against N GPUs, per cross-device-ops candidate, side by side in one run.
+
+Each candidate trains in its own process (TensorFlow tolerates one MirroredStrategy per process) on synthetic
+data already on the device, so the figures measure the step, not the input pipeline:
+
+- `1gpu`: the best single-GPU setup (no strategy; XLA when `--jit`);
+- `stock`: `tf.distribute.MirroredStrategy()` exactly as TensorFlow gives it (Keras turns XLA off under it);
+- `auto`: `tf_nvlink.strategy()` with the policy's choice; `collective`, `nccl`, `reduce_to_one`,
+  `hierarchical`: `tf_nvlink.strategy(cross_device_ops=...)`; `NAME@nop2p`: the same with `NCCL_P2P_DISABLE=1`
+  (NCCL moves data through host memory, as on a PCIe-only machine).
+
+Example:
+    $ python -m tf_nvlink.training_bench --model resnet50 --candidates 1gpu,stock,auto --jit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+MODELS = ("mlp", "resnet50", "convnet")
+DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
+OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
+CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES
+
+
+def parse_candidates(text: str) -> list[str]:
+    """"1gpu,auto,nccl@nop2p" -> list, with a clear error for unknown names."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise ValueError(f"candidates should be a comma list of {list(CANDIDATES)} (optionally NAME@nop2p). "
+                         f"Received: {text!r}")
+    for name in names:
+        if name.split("@")[0] not in CANDIDATES or name.count("@") > 1 or (
+                "@" in name and name.split("@")[1] != "nop2p"):
+            raise ValueError(f"Unknown candidate {name!r}; valid: {list(CANDIDATES)}, each optionally with "
+                             f"'@nop2p' (NCCL_P2P_DISABLE=1). Received: {text!r}")
+    return names
+
+
+def _build_model(name: str, keras):
+    if name == "mlp":
+        return keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                                 keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000)
+    if name == "convnet":  # small enough for CPU tests
+        return keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                                 keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+    raise ValueError(f"model should be one of {list(MODELS)}. Received: {name!r}")
+
+
+def _input_shape(name: str) -> tuple[int, ...]:
+    return {"mlp": (784,), "resnet50": (224, 224, 3), "convnet": (16, 16, 3)}[name]
+
+
+def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: int, jit: bool,
+               mixed_precision: bool, cpu_devices: int = 0) -> dict:
+    """Train `steps` steps twice (the first pass compiles) and time the second; returns a JSON-ready record."""
+    import numpy as np
+    import tensorflow as tf
+
+    if cpu_devices:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
+    import keras
+
+    import tf_nvlink
+
+    if mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    ops = candidate.split("@")[0]
+    device_kind = "CPU" if cpu_devices else "GPU"
+    devices = [d.name for d in tf.config.list_logical_devices(device_kind)]
+    plan = None
+    if ops == "1gpu":
+        strategy = tf.distribute.get_strategy()  # no strategy at all: the plain single-device path
+    elif ops == "stock":
+        strategy = tf.distribute.MirroredStrategy(devices)
+    else:
+        strategy = tf_nvlink.strategy(cross_device_ops=ops, devices=devices if cpu_devices else None)
+        plan = tf_nvlink.current_plan()
+    replicas = strategy.num_replicas_in_sync
+    global_batch = batch_per_replica * replicas
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(global_batch,) + _input_shape(model_name)).astype("float32")
+    y = rng.integers(0, 10, size=(global_batch,)).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = dataset.with_options(options)
+    use_jit = jit and ops != "stock"  # stock = what TensorFlow gives: Keras turns XLA off under a strategy
+    with strategy.scope():
+        model = _build_model(model_name, keras)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
+                      jit_compile=use_jit)
+    timings = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            timings.append(time.perf_counter() - self.start)
+
+    model.fit(dataset, steps_per_epoch=steps, epochs=3, verbose=0, callbacks=[Timer()])
+    seconds = min(timings[1:])  # epoch 0 compiles; the best of the rest is the least disturbed
+    gradient_tensors = len(model.trainable_variables)
+    return {
+        "model": model_name, "candidate": candidate, "replicas": replicas, "jit_compile": bool(model.jit_compile),
+        "batch_per_replica": batch_per_replica, "global_batch": global_batch, "steps": steps,
+        "step_ms": 1000 * seconds / steps, "steps_per_s": steps / seconds,
+        "examples_per_s": global_batch * steps / seconds, "gradient_tensors": gradient_tensors,
+        "gradient_mib": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20,
+        "plan": plan.summary() if plan else None, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
+    }
+
+
+def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Optional[int] = None, steps: int = 30,
+                   jit: bool = True, mixed_precision: Optional[bool] = None, cpu_devices: int = 0,
+                   timeout: int = 900) -> list[dict]:
+    """Run each candidate in its own process, one after another; failures become records with an `error`."""
+    if model_name not in MODELS:
+        raise ValueError(f"model should be one of {list(MODELS)}. Received: {model_name!r}")
+    batch = batch_per_replica or DEFAULT_BATCH[model_name]
+    mixed = (model_name == "resnet50") if mixed_precision is None else mixed_precision
+    results = []
+    for candidate in candidates:
+        env = dict(os.environ)
+        if candidate.endswith("@nop2p"):
+            env["NCCL_P2P_DISABLE"] = "1"
+        args = [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
+                "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
+                "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
+                "--cpu_devices", str(cpu_devices)]
+        started = time.perf_counter()
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode == 0 and lines:
+            record = json.loads(lines[-1])
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            record = {"model": model_name, "candidate": candidate, "error": " | ".join(tail)}
+        record["wall_s"] = round(time.perf_counter() - started, 1)
+        results.append(record)
+        print(f"  {candidate}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
+                                    else "FAILED: " + record["error"]), file=sys.stderr, flush=True)
+    return results
+
+
+def render_table(results: list[dict]) -> str:
+    """Examples/s per candidate, with speed-up over 1 GPU and scaling efficiency = thr_N / (N x thr_1)."""
+    one = next((r for r in results if r["candidate"] == "1gpu" and "error" not in r), None)
+    stock = next((r for r in results if r["candidate"] == "stock" and "error" not in r), None)
+    header = (f"{'candidate':<22}{'replicas':>9}{'XLA':>5}{'step':>9}{'examples/s':>12}{'vs 1 GPU':>10}"
+              f"{'scaling':>9}{'vs stock':>10}")
+    units = f"{'':<22}{'':>9}{'':>5}{'(ms)':>9}{'':>12}{'(x)':>10}{'(eff.)':>9}{'(x)':>10}"
+    lines = [header, units]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['candidate']:<22}  FAILED: {r['error'][:150]}")
+            continue
+        vs_one = r["examples_per_s"] / one["examples_per_s"] if one else float("nan")
+        scaling = vs_one / r["replicas"] if one else float("nan")
+        vs_stock = r["examples_per_s"] / stock["examples_per_s"] if stock else float("nan")
+        lines.append(f"{r['candidate']:<22}{r['replicas']:>9}{'yes' if r['jit_compile'] else 'no':>5}"
+                     f"{r['step_ms']:>9.1f}{r['examples_per_s']:>12.0f}{vs_one:>10.2f}{scaling:>9.2f}"
+                     f"{vs_stock:>10.2f}")
+    plans = sorted({r["plan"] for r in results if r.get("plan")})
+    lines += [f"# {p}" for p in plans]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tf_nvlink.training_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="mlp", choices=MODELS)
+    parser.add_argument("--candidates", default="1gpu,stock,auto")
+    parser.add_argument("--batch_per_replica", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--jit", dest="jit", action="store_true", default=True)
+    parser.add_argument("--nojit", dest="jit", action="store_false")
+    parser.add_argument("--mixed_precision", dest="mixed", action="store_true", default=None)
+    parser.add_argument("--nomixed_precision", dest="mixed", action="store_false")
+    parser.add_argument("--cpu_devices", type=int, default=0, help="run over N logical CPU devices (tests)")
+    parser.add_argument("--json", default="", help="also write the records to this JSON file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or (args.batch_per_replica is not None and args.batch_per_replica < 1):
+        parser.error(f"--steps and --batch_per_replica should be >= 1. Received: steps={args.steps}, "
+                     f"batch_per_replica={args.batch_per_replica}")
+    try:
+        candidates = parse_candidates(args.candidates)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.worker:
+        record = run_worker(args.model, candidates[0], args.batch_per_replica or DEFAULT_BATCH[args.model],
+                            args.steps, args.jit, bool(args.mixed), args.cpu_devices)
+        print(json.dumps(record), flush=True)
+        return 0
+    print("# " + " ".join([os.path.basename(sys.executable), "-m", "tf_nvlink.training_bench"]
+                          + (argv if argv is not None else sys.argv[1:])))
+    results = run_candidates(args.model, candidates, args.batch_per_replica, args.steps, args.jit, args.mixed,
+                             args.cpu_devices)
+    print(render_table(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=1)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
