@@ -193,9 +193,11 @@ def _all_pairs(n: int, value) -> dict:
 
 
 def h200_x2() -> FakeMachine:
-    """The lent machine: 2x H200 SXM, 18 NVLink 4.0 links each into NVSwitches (a VM: switch PCI info empty)."""
+    """The lent machine: 2x H200 SXM, 18 NVLink 4.0 links each into NVSwitches (a VM: the switch links' remote
+    PCI info reads ffffffff:ff:ff.0, 143771 MiB per GPU)."""
     gpus = [FakeGpu("NVIDIA H200", _pci(0, 6 + i), f"GPU-5c2f0e1a-0000-4000-8000-00000000000{i}", (9, 0), 141,
-                    links=[FakeLink(SWITCH, "") for _ in range(18)], nvlink_version=6) for i in range(2)]
+                    links=[FakeLink(SWITCH, "ffffffff:ff:ff.0") for _ in range(18)], nvlink_version=6)
+            for i in range(2)]
     return FakeMachine(gpus, p2p_nvlink=_all_pairs(2, 0), pcie_level=_all_pairs(2, 30))
 
 

@@ -27,6 +27,8 @@ OPS = {
 OPS_CHOICES = ("auto",) + tuple(OPS)
 # Ops that pack gradients into `num_packs` buffers (tf.distribute.AllReduceCrossDeviceOps).
 PACKED_OPS = ("nccl", "hierarchical")
+# How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla.py).
+XLA_ALLREDUCE_CHOICES = ("auto", "fused", "split")
 GpuSpec = Union[str, Sequence[int], int]
 
 
@@ -46,6 +48,7 @@ class Plan:
     shape: str  # Topology.kind(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
     nvlink_gbps: float  # slowest pair's NVLink GB/s per direction (0 without NVLink)
     devices: tuple[str, ...] = ()
+    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see xla.py)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
 
     @property
@@ -58,7 +61,9 @@ class Plan:
         if self.nvlink_gbps:
             where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
-        return f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}: {self.reason} [topology {self.fingerprint}]"
+        xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
+        return (f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
+                f"[topology {self.fingerprint}]")
 
     def to_dict(self) -> dict:
         record = dataclasses.asdict(self)
@@ -108,7 +113,8 @@ def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int
                              f"{list(visible)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
         index = int(item)
         if index in indices:
-            raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Received: gpus={spec!r}")
+            raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Name each of "
+                             f"{list(visible)} at most once. Received: gpus={spec!r}")
         if index not in visible:
             hidden = " (hidden from TensorFlow by CUDA_VISIBLE_DEVICES)" if index in topology.indices else ""
             raise ValueError(f"GPU {index} does not exist on this machine{hidden}; valid GPU indices are "
@@ -147,7 +153,8 @@ def validate_ops(cross_device_ops: str, num_packs) -> None:
 
 
 def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str = "auto",
-              num_packs: Optional[int] = None, visible: Optional[Sequence[int]] = None) -> Plan:
+              num_packs: Optional[int] = None, visible: Optional[Sequence[int]] = None,
+              xla_allreduce: str = "auto") -> Plan:
     """Choose GPUs and cross-device ops for `topology`.
 
     Raises ValueError for requests that cannot work (unknown GPUs or ops, NCCL without GPUs, hierarchical copy
@@ -162,8 +169,21 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
     shape = topology.kind(chosen)
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
     ops, packs, reason = _choose_ops(topology, chosen, shape, cross_device_ops, num_packs)
+    available = topology.indices if visible is None else tuple(visible)
+    if isinstance(gpus, str) and gpus.strip().lower() == "auto" and 0 < len(chosen) < len(available):
+        reason += (f"; gpus='auto' took the largest NVLink-connected group {list(chosen)} of {list(available)} "
+                   f"(gpus='all' mirrors over every GPU, over PCIe where NVLink is missing)")
+    if xla_allreduce not in XLA_ALLREDUCE_CHOICES:
+        raise ValueError(f"xla_allreduce should be one of {list(XLA_ALLREDUCE_CHOICES)}. "
+                         f"Received: xla_allreduce={xla_allreduce!r}")
+    if xla_allreduce == "fused" and not chosen:
+        raise ValueError("xla_allreduce='fused' needs GPUs (TensorFlow all-reduces inside XLA only when every "
+                         "replica is a GPU); this process sees none. Use 'auto' or 'split'.")
+    if xla_allreduce == "auto":
+        xla_allreduce = "fused" if len(chosen) > 1 else "split"
     return Plan(gpus=chosen, cross_device_ops=ops, num_packs=packs, reason=reason,
-                fingerprint=topology.fingerprint(), shape=shape, nvlink_gbps=round(gbps, 1), requested=requested)
+                fingerprint=topology.fingerprint(), shape=shape, nvlink_gbps=round(gbps, 1), requested=requested,
+                xla_allreduce=xla_allreduce)
 
 
 def is_dgx1_like(topology: Topology, chosen: Sequence[int]) -> bool:

@@ -40,6 +40,11 @@ class NVLinkMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.Mirro
     def plan(self) -> Optional[policy.Plan]:
         return self._tf_nvlink_plan
 
+    @property
+    def xla_allreduce(self) -> str:
+        """"fused" or "split": how jit_compile=True models all-reduce (see tf_nvlink/xla.py)."""
+        return self._tf_nvlink_plan.xla_allreduce if self._tf_nvlink_plan else "split"
+
     def run(self, fn, args=(), kwargs=None, options=None):
         if self.num_replicas_in_sync > 1 and _XLA_PROBLEM[0] and _in_xla_context():
             raise xla.UnsupportedKerasError(
@@ -79,16 +84,16 @@ def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
     raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
 
 
-def _request_key(gpus, cross_device_ops, num_packs, devices):
+def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
     ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
-    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None)
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce)
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
              devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
-             ) -> tf.distribute.MirroredStrategy:
+             xla_allreduce: str = "auto") -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -102,6 +107,9 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         num_packs: gradient packs for "nccl"/"hierarchical" (None: the policy's choice).
         devices: explicit TensorFlow device names, overriding `gpus` (e.g. ["/cpu:0", "/cpu:1"] in tests).
         topology: a `Topology` to plan for (default: probe NVML now).
+        xla_allreduce: for models compiled with jit_compile=True: "fused" (the whole step, gradient
+            all-reduce included, is one XLA program per replica; GPUs only), "split" (XLA computes gradients,
+            the plan's cross-device ops all-reduce them outside XLA), or "auto" (fused on 2+ GPUs).
 
     Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
     same request returns the same strategy; a different request raises RuntimeError.
@@ -111,7 +119,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
-    key = _request_key(gpus, cross_device_ops, num_packs, devices)
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
     with _LOCK:
         if _CURRENT:
             if _CURRENT["key"] == key:
@@ -121,13 +129,13 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                 f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
                 f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
                 f"arguments returns it), or run the other configuration in its own process.")
-        built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology)
+        built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     return built
 
 
-def _build(gpus, cross_device_ops, num_packs, devices, topology):
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
         raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
@@ -144,7 +152,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology):
                     len(topology.gpus), "CUDA_VISIBLE_DEVICES hides them" if built_with_cuda
                     else "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'")
         visible = []
-    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible)
+    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce)
     if devices:
         device_names = list(devices)
     elif plan.gpus:

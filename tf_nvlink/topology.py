@@ -77,12 +77,14 @@ class PciBusId:
 
     @classmethod
     def try_parse(cls, text: Optional[str]) -> Optional["PciBusId"]:
-        """Like `parse`, but None for empty or malformed text (NVML leaves switch links' PCI info empty on VMs)."""
+        """Like `parse`, but None for what NVML says of a switch link's far end: empty text (seen on VMs), all
+        zeros, or all ones (`ffffffff:ff:ff.0`, read on the 2x H200 machine)."""
         try:
             parsed = cls.parse(text or "")
         except ValueError:
             return None
-        return None if parsed == cls(0, 0, 0, 0) else parsed
+        return None if parsed in (cls(0, 0, 0, 0), cls(0xFFFFFFFF, 0xFF, 0x1F, 7), cls(0xFFFFFFFF, 0xFF, 0xFF, 0)) \
+            else parsed
 
     def __str__(self) -> str:
         return f"{self.domain:04x}:{self.bus:02x}:{self.device:02x}.{self.function:x}"

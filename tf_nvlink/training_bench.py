@@ -28,17 +28,25 @@ OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
 CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES
 
 
+SUFFIXES = ("nop2p", "split", "fused")
+
+
 def parse_candidates(text: str) -> list[str]:
-    """"1gpu,auto,nccl@nop2p" -> list, with a clear error for unknown names."""
+    """"1gpu,auto,nccl@nop2p,auto@split" -> list, with a clear error for unknown names.
+
+    Suffixes: "@nop2p" sets NCCL_P2P_DISABLE=1; "@split"/"@fused" force tf_nvlink's XLA all-reduce mode.
+    """
     names = [c.strip() for c in text.split(",") if c.strip()]
     if not names:
         raise ValueError(f"candidates should be a comma list of {list(CANDIDATES)} (optionally NAME@nop2p). "
                          f"Received: {text!r}")
     for name in names:
-        if name.split("@")[0] not in CANDIDATES or name.count("@") > 1 or (
-                "@" in name and name.split("@")[1] != "nop2p"):
+        base, *suffixes = name.split("@")
+        if base not in CANDIDATES or any(x not in SUFFIXES for x in suffixes) or len(set(suffixes)) < len(
+                suffixes) or {"split", "fused"} <= set(suffixes):
             raise ValueError(f"Unknown candidate {name!r}; valid: {list(CANDIDATES)}, each optionally with "
-                             f"'@nop2p' (NCCL_P2P_DISABLE=1). Received: {text!r}")
+                             f"'@nop2p' (NCCL_P2P_DISABLE=1) and '@split' or '@fused' (XLA all-reduce mode). "
+                             f"Received: {text!r}")
     return names
 
 
@@ -82,7 +90,10 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
     elif ops == "stock":
         strategy = tf.distribute.MirroredStrategy(devices)
     else:
-        strategy = tf_nvlink.strategy(cross_device_ops=ops, devices=devices if cpu_devices else None)
+        suffixes = candidate.split("@")[1:]
+        mode = "split" if "split" in suffixes else "fused" if "fused" in suffixes else "auto"
+        strategy = tf_nvlink.strategy(cross_device_ops=ops, devices=devices if cpu_devices else None,
+                                      xla_allreduce=mode)
         plan = tf_nvlink.current_plan()
     replicas = strategy.num_replicas_in_sync
     global_batch = batch_per_replica * replicas
@@ -132,7 +143,7 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
     results = []
     for candidate in candidates:
         env = dict(os.environ)
-        if candidate.endswith("@nop2p"):
+        if "@nop2p" in candidate:
             env["NCCL_P2P_DISABLE"] = "1"
         args = [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
                 "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),

@@ -8,11 +8,15 @@ on ResNet-50). The fix has two parts:
 1. `PerReplicaXlaStrategyMixin.run` gives each replica its own compiled copy of any `jit_compile=True`
    tf.function passed to `strategy.run` (Keras' predict step; custom loops).
 2. A hook on Keras' `TensorFlowTrainer._make_function` (train and test steps) keeps XLA off the function that
-   spans the replicas and instead runs `train_step`/`test_step` through `PerReplicaXlaStep`: one compiled
-   function per replica for the forward pass, loss, metrics and gradients. The optimizer step stays outside
-   XLA, because it all-reduces the gradients through the strategy's cross-device ops (a `merge_call`, which XLA
-   cannot hold): the gradients are caught at `optimizer.apply` inside the compiled function, returned from it,
-   and applied right after.
+   spans the replicas and instead runs `train_step`/`test_step` through `PerReplicaXlaStep`, one compiled
+   function per replica, in one of two ways (`Plan.xla_allreduce`):
+   - "fused" (GPUs only): the whole train step, optimizer and gradient all-reduce included, is one XLA
+     computation per replica. On all-GPU MirroredStrategies TensorFlow skips `merge_call` under XLA and
+     compiles the all-reduce (CollectiveAllReduce) into the program, where XLA can combine and overlap it.
+   - "split" (any device, CPUs included): forward pass, loss, metrics and gradients are compiled; the optimizer
+     step stays outside XLA, because there it all-reduces the gradients through the plan's cross-device ops (a
+     `merge_call`, which XLA cannot hold): the gradients are caught at `optimizer.apply` inside the compiled
+     function, returned from it, and applied right after.
 
 The hook is installed once, on the first tf_nvlink strategy, and touches only models whose strategy is a
 tf_nvlink one; every other model runs Keras' code unchanged. The Keras internals relied on are checked by
@@ -124,6 +128,13 @@ def uninstall_keras_hooks() -> None:
         _ORIGINALS.clear()
 
 
+def fused_allreduce_possible(strategy) -> bool:
+    """True when every replica is a GPU: there MirroredStrategy all-reduces inside XLA (CollectiveAllReduce
+    compiled to an XLA all-reduce over NCCL) and applies updates per replica without merge_call."""
+    devices = getattr(strategy.extended, "worker_devices", ())
+    return bool(devices) and all("GPU" in d.upper() for d in devices)
+
+
 def _replica_id() -> int:
     context = tf.distribute.get_replica_context()
     replica_id = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
@@ -146,10 +157,17 @@ class PerReplicaXlaStep:
         self._applied_variables: dict[int, list] = {}
         self._lock = threading.Lock()
 
+    @property
+    def fused(self) -> bool:
+        """Whole train step in XLA, all-reduce included (GPUs only: TensorFlow skips merge_call under XLA there)."""
+        strategy = self.model.distribute_strategy
+        return self.kind != "train" or fused_allreduce_possible(strategy) and getattr(
+            strategy, "xla_allreduce", "split") == "fused"
+
     def _compiled_for(self, replica_id: int):
         with self._lock:
             if replica_id not in self._compiled:
-                body = self._train_body(replica_id) if self.kind == "train" else self.step_function
+                body = self.step_function if self.fused else self._train_body(replica_id)
                 self._compiled[replica_id] = tf.function(body, jit_compile=True, reduce_retracing=True,
                                                          autograph=False)
             return self._compiled[replica_id]
@@ -184,7 +202,7 @@ class PerReplicaXlaStep:
     def __call__(self, data):
         replica_id = _replica_id()
         compiled = self._compiled_for(replica_id)
-        if self.kind != "train":
+        if self.fused:
             return compiled(data)
         logs, grads = compiled(data)
         variables = [v for _, v in self._applied_variables[replica_id]]
