@@ -1,0 +1,135 @@
+"""Tests on real NVIDIA GPUs: `pytest -m gpu` (skipped without GPUs; the default run deselects them).
+
+What they pin down on a machine like the lent 2x H200:
+- the NVML probe agrees with the driver (`nvidia-smi topo -m` / `nvidia-smi nvlink -s` facts),
+- TensorFlow's GPUs map to NVML's by PCI bus id,
+- `tf_nvlink.strategy()` builds on real GPUs, and a 2-GPU fit matches single-GPU training (XLA, fused mode),
+- all-reduce sums are exact for every candidate.
+Each TensorFlow check runs in its own process (one strategy per process).
+"""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import run_python
+
+pytestmark = pytest.mark.gpu
+
+
+def _nvml_gpu_count() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - any NVML failure means "no GPU here"
+        return 0
+
+
+GPU_COUNT = _nvml_gpu_count()
+needs_gpu = pytest.mark.skipif(GPU_COUNT < 1, reason="needs an NVIDIA GPU and driver")
+needs_2_gpus = pytest.mark.skipif(GPU_COUNT < 2, reason="needs 2 or more NVIDIA GPUs")
+
+
+@needs_gpu
+def test_probe_matches_nvidia_smi():
+    from tf_nvlink import nvml
+
+    topo = nvml.probe()
+    assert topo.error is None and len(topo.gpus) == GPU_COUNT
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        matrix = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, check=True).stdout
+        rows = {line.split()[0]: line.split()[1:1 + GPU_COUNT] for line in matrix.splitlines()
+                if line.startswith("GPU")}
+        for a in range(GPU_COUNT):
+            for b in range(GPU_COUNT):
+                assert topo.label(a, b) == rows[f"GPU{a}"][b], (a, b)
+    for gpu in topo.gpus:
+        for link in gpu.active_links:
+            assert link.version is not None and link.gbps > 0
+
+
+@needs_gpu
+def test_h200_facts_when_on_h200():
+    from tf_nvlink import nvml
+
+    topo = nvml.probe()
+    if not all(g.name == "NVIDIA H200" for g in topo.gpus):
+        pytest.skip("not an H200 machine")
+    for gpu in topo.gpus:
+        assert len(gpu.active_links) == 18 and gpu.nvlink_version == "4.0"
+        assert gpu.nvlink_gbps == pytest.approx(478.1, abs=0.1)
+    if GPU_COUNT > 1:
+        assert topo.kind() == "nvswitch" and topo.label(0, 1) == "NV18"
+
+
+@needs_gpu
+def test_tf_gpus_map_to_nvml_by_pci():
+    proc = run_python(
+        "import json; from tf_nvlink import nvml, devices\n"
+        "topo = nvml.probe(); m = devices.tf_gpus(topo)\n"
+        "print(json.dumps([[d.tf_index, d.nvml_index, str(d.pci_bus_id), str(topo.gpu(d.nvml_index).pci_bus_id)]"
+        " for d in m]))", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(mapped) == GPU_COUNT
+    for _, nvml_index, tf_pci, nvml_pci in mapped:
+        assert nvml_index is not None and tf_pci == nvml_pci
+
+
+_FIT_SCRIPT = r"""
+import json, sys
+import numpy as np, tensorflow as tf, keras
+import tf_nvlink
+mode = sys.argv[1]
+if mode != "single":
+    strategy = tf_nvlink.strategy(gpus="all", xla_allreduce=mode)
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+else:
+    strategy = tf.distribute.get_strategy()
+keras.utils.set_random_seed(3)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 16, 16, 3)).astype("float32"); y = rng.integers(0, 10, 512)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+kernel = model.trainable_variables[0].value
+same = all(np.array_equal(kernel.values[0].numpy(), v.numpy()) for v in getattr(kernel, "values", [kernel]))
+print(json.dumps({"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()],
+                  "replicas": strategy.num_replicas_in_sync, "replicas_identical": bool(same)}))
+"""
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("mode", ["fused", "split"])
+def test_two_gpu_xla_fit_matches_single_gpu(mode):
+    results = {}
+    for run in ("single", mode):
+        proc = run_python(["-c", _FIT_SCRIPT, run], timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[run] = json.loads(proc.stdout.strip().splitlines()[-1])
+    single, multi = results["single"], results[mode]
+    assert multi["replicas"] == GPU_COUNT and multi["replicas_identical"]
+    assert multi["loss"][-1] < multi["loss"][0]
+    for a, b in zip(single["weights"], multi["weights"]):
+        assert a == pytest.approx(b, rel=2e-3, abs=2e-4)
+
+
+@needs_2_gpus
+def test_allreduce_sums_exact_for_every_candidate():
+    proc = run_python(["-m", "tf_nvlink", "bench", "--sizes", "1M,16M", "--iters", "3", "--json"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout[proc.stdout.index("["):])
+    ran = {r["candidate"] for r in records if "error" not in r}
+    assert {"collective", "reduce_to_one"} <= ran
+    assert all(r.get("wrong", 0) == 0 for r in records)

@@ -1,0 +1,153 @@
+"""Per-replica XLA (tf_nvlink/xla.py) on 2 logical CPU devices: XLA compiles for the CPU too.
+
+Each scenario runs in its own process: TensorFlow fixes its device list at first use and tolerates one
+MirroredStrategy per process. The stock-MirroredStrategy test reproduces TensorFlow's failure, so the passing
+tests show it is the plugin's mechanism that fixes it.
+"""
+
+import inspect
+import json
+
+import pytest
+
+from conftest import run_python
+
+_PRELUDE = r"""
+import json, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink import xla
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 8, 8, 1)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
+def build():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                             keras.layers.Flatten(), keras.layers.Dense(4)])
+def compile_(model, jit=True):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"], jit_compile=jit,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+"""
+
+
+def _run(body, timeout=300):
+    proc = run_python(_PRELUDE + body, timeout=timeout)
+    return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
+
+
+def test_stock_mirrored_strategy_fails_with_jit_compile():
+    proc, _ = _run("""
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+with strategy.scope():
+    model = build(); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+""")
+    assert proc.returncode != 0
+    assert "Trying to access resource" in proc.stderr and "replica_1" in proc.stderr
+
+
+def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work():
+    proc, out = _run("""
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model)
+history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
+predictions = model.predict(x[:10], batch_size=4, verbose=0)
+compiled = list(strategy._per_replica_functions.values())  # predict's jit function, copied per replica
+print(json.dumps({"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
+                  "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce,
+                  "predict_copies": len(compiled)}))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out["jit"] and out["mode"] == "split"  # CPU replicas: fused all-reduce needs GPUs
+    assert out["loss"][-1] < out["loss"][0]
+    assert out["pred_shape"] == [10, 4] and out["predict_copies"] == 1
+
+
+def test_each_replica_gets_its_own_xla_compiled_step():
+    proc, out = _run("""
+made = []
+original_init = xla.PerReplicaXlaStep.__init__
+def spy(self, *args, **kwargs):
+    original_init(self, *args, **kwargs); made.append(self)
+xla.PerReplicaXlaStep.__init__ = spy
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+model.evaluate(x, y, batch_size=32, verbose=0)
+report = [{"kind": s.kind, "replicas": sorted(s._compiled),
+           "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]
+print(json.dumps(report))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s["kind"] for s in out] == ["train", "test"]
+    for step in out:
+        assert step["replicas"] == [0, 1] and step["xla"] == [True, True]
+
+
+def test_auto_jit_compile_follows_keras_rule_under_the_plugin():
+    proc, out = _run("""
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model, jit="auto")
+on_cpu = bool(model.jit_compile)
+tf.config.list_logical_devices = lambda kind=None: ["fake GPU"] if kind == "GPU" else []
+with strategy.scope():
+    model2 = build(); compile_(model2, jit="auto")
+print(json.dumps({"cpu_only": on_cpu, "with_gpu": bool(model2.jit_compile)}))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out == {"cpu_only": False, "with_gpu": True}
+
+
+def test_unsupported_keras_fails_loudly():
+    proc, _ = _run("""
+xla.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+""")
+    assert proc.returncode != 0
+    assert "UnsupportedKerasError" in proc.stderr and "jit_compile=False" in proc.stderr
+    assert "pretend this Keras" in proc.stderr
+
+
+def test_train_step_without_optimizer_call_gets_a_clear_error():
+    proc, _ = _run("""
+class NoOptimizer(keras.Sequential):
+    def train_step(self, data):
+        x, y = data
+        return {"loss": tf.reduce_mean(self(x))}
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    keras.utils.set_random_seed(5)
+    model = NoOptimizer([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+""")
+    assert proc.returncode != 0 and "optimizer.apply_gradients" in proc.stderr
+
+
+def test_keras_internals_the_hook_relies_on():
+    """Pins what tf_nvlink/xla.py assumes of Keras; a Keras upgrade that changes these fails here first."""
+    import keras
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    from tf_nvlink import xla
+
+    assert xla.check_keras_support() is None
+    version = tuple(int(p) for p in keras.__version__.split(".")[:2])
+    assert xla.TESTED_KERAS[0] <= version <= xla.TESTED_KERAS[1], keras.__version__
+    make_function = inspect.getsource(TensorFlowTrainer._make_function)
+    assert "self.distribute_strategy.run(step_function" in make_function
+    assert "jit_compile=self.jit_compile" in make_function
+    assert "self._make_function(self.train_step)" in inspect.getsource(TensorFlowTrainer.make_train_function)
+    assert "self._make_function(self.test_step)" in inspect.getsource(TensorFlowTrainer.make_test_function)
+    assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
+    assert "Disable XLA with tf.distribute" in inspect.getsource(
+        __import__("keras.src.trainers.trainer", fromlist=["Trainer"]).Trainer._resolve_auto_jit_compile)
+    assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
