@@ -1,0 +1,285 @@
+"""tf_nvlink.bench: parsing, the nccl-tests math and tables, candidate validity, and one real CPU run.
+
+The real run (2 logical CPU devices, 2 tiny sizes, reduce_to_one and collective: two worker processes, a few
+seconds each) is shared by the tests that need measured output; everything else uses fake workers.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fake_nvml
+from fake_nvml import FakeNvml
+from tf_nvlink import bench, nvml
+from tf_nvlink.topology import Topology
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+CPU2 = bench.Target("CPU", 2, fingerprint=Topology().fingerprint(), shape="cpu")
+
+
+def machine(name):
+    return nvml.probe(FakeNvml(fake_nvml.MACHINES[name]()))
+
+
+def run_main(argv):
+    """bench.main(argv) in this process (workers are still separate processes): (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = bench.main(argv)
+        except SystemExit as exc:  # argparse errors
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+class TestParsing:
+    @pytest.mark.parametrize("text,expected", [("1M", 2**20), ("64K", 65536), ("1G", 2**30), ("16MiB", 2**24),
+                                               ("4096", 4096), (" 2m ", 2 * 2**20), ("1KB", 1024)])
+    def test_sizes(self, text, expected):
+        assert bench.parse_size(text) == expected
+
+    @pytest.mark.parametrize("text", ["", "abc", "1T", "-4", "0", "6", "1.5M"])
+    def test_bad_sizes(self, text):
+        with pytest.raises(bench.BenchError, match="size"):
+            bench.parse_size(text)
+
+    def test_size_list_sorted_unique(self):
+        assert bench.parse_sizes("16M,1M,16M") == [2**20, 2**24]
+        assert [bench.format_size(s) for s in bench.DEFAULT_SIZES] == ["1M", "4M", "16M", "64M", "256M", "1G"]
+
+    def test_candidates(self):
+        parsed = bench.parse_candidates("collective, nccl,nccl:4,hierarchical,reduce_to_one,auto,nccl:1")
+        assert [c.label for c in parsed] == ["collective", "nccl:1", "nccl:4", "hierarchical:1", "reduce_to_one",
+                                             "auto"]
+
+    @pytest.mark.parametrize("text,match", [("nccl,bogus", "unknown candidate 'bogus'"),
+                                            ("reduce_to_one:2", "takes no PACKS"),
+                                            ("nccl:x", "PACKS"), ("nccl:999", "PACKS"), (",", "comma list")])
+    def test_bad_candidates_list_valid_choices(self, text, match):
+        with pytest.raises(bench.BenchError, match=match) as info:
+            bench.parse_candidates(text)
+        if "unknown" in match:
+            for name in ("collective", "nccl[:PACKS]", "hierarchical[:PACKS]", "reduce_to_one", "auto"):
+                assert name in str(info.value)
+
+    def test_env(self):
+        assert bench.parse_env(["NCCL_P2P_DISABLE=1", "A=b=c"]) == {"NCCL_P2P_DISABLE": "1", "A": "b=c"}
+        with pytest.raises(bench.BenchError, match="KEY=VALUE"):
+            bench.parse_env(["1BAD=1"])
+
+    def test_cli_rejects_bad_candidates_before_running(self):
+        code, out, err = run_main(["--devices", "cpu:2", "--candidates", "nccl,bogus"])
+        assert code == 2 and out == ""
+        assert "unknown candidate 'bogus'" in err and "reduce_to_one" in err and "hierarchical[:PACKS]" in err
+
+
+# ------------------------------------------------------------------------------------------------- math
+class TestMath:
+    @pytest.mark.parametrize("n,factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
+    def test_bus_factor(self, n, factor):
+        assert bench.bus_factor(n) == pytest.approx(factor)
+
+    def test_algbw_and_busbw(self):
+        # 1 GB in 1 s: 1 GB/s of algorithm bandwidth; 8 GPUs move 2*7/8 of it over each link.
+        assert bench.algbw_gbps(10**9, 1e6) == pytest.approx(1.0)
+        assert bench.busbw_gbps(10**9, 1e6, 8) == pytest.approx(1.75)
+        # 256 MiB in 1647 us on 2 GPUs: about 163 GB/s, hardware-facts' TensorFlow default figure.
+        assert bench.busbw_gbps(256 * 2**20, 1647.0, 2) == pytest.approx(163.0, rel=0.01)
+
+    def test_records_carry_the_formula(self):
+        output = {"ok": True, "ops": "reduce_to_one", "num_packs": None, "n_replicas": 4, "n_gpus": 4,
+                  "results": [{"size_bytes": 2**20, "count": 2**18, "time_us": 100.0, "wrong": 0}]}
+        gpu4 = bench.Target("GPU", 4, (0, 1, 2, 3))
+        [record] = bench.to_records(output, bench.Candidate("reduce_to_one"), gpu4)
+        assert record["algbw"] == pytest.approx(2**20 / 100e-6 / 1e9)
+        assert record["busbw"] == pytest.approx(record["algbw"] * 1.5)
+        assert record["status"] == "ok" and record["n_gpus"] == 4
+
+
+# ------------------------------------------------------------------------------------ targets and skipping
+class TestTargets:
+    def test_cpu_target(self):
+        target = bench.resolve_target("cpu:2")
+        assert (target.device_type, target.n, target.spec, target.gpus_key) == ("CPU", 2, "cpu:2", "cpu:2")
+
+    def test_gpu_target_from_topology(self):
+        target = bench.resolve_target("gpu", "all", machine("h200_x2"))
+        assert target.gpus == (0, 1) and target.spec == "gpu:0,1" and target.shape == "nvswitch"
+        assert target.fingerprint == machine("h200_x2").fingerprint()
+
+    def test_no_gpu_hints_at_cpu_devices(self):
+        with pytest.raises(bench.BenchError, match="--devices cpu:2"):
+            bench.resolve_target("gpu", "all", machine("no_driver"))
+
+    @pytest.mark.parametrize("devices", ["tpu", "cpu:0", "cpu:x"])
+    def test_bad_devices(self, devices):
+        with pytest.raises(bench.BenchError, match="devices"):
+            bench.resolve_target(devices)
+
+    def test_unknown_gpu(self):
+        with pytest.raises(bench.BenchError, match="does not exist"):
+            bench.resolve_target("gpu", "5", machine("h200_x2"))
+
+    def test_nccl_and_hierarchical_skipped_on_cpu_with_reasons(self):
+        runs, skipped = bench.plan_runs(bench.parse_candidates(bench.DEFAULT_CANDIDATES), CPU2)
+        assert [c.label for c in runs] == ["collective", "reduce_to_one", "auto"]
+        reasons = dict(skipped)
+        assert reasons["nccl:1"] == reasons["nccl:4"] == "NCCL does not run on CPU devices"
+        assert "needs GPUs" in reasons["hierarchical:1"]
+
+    def test_hierarchical_needs_an_even_gpu_count(self):
+        candidates = bench.parse_candidates("hierarchical,nccl")
+        three = bench.Target("GPU", 3, (0, 1, 2))
+        runs, skipped = bench.plan_runs(candidates, three)
+        assert [c.label for c in runs] == ["nccl:1"] and "even number" in dict(skipped)["hierarchical:1"]
+        runs, skipped = bench.plan_runs(candidates, bench.Target("GPU", 2, (0, 1)))
+        assert len(runs) == 2 and not skipped
+
+    def test_cli_with_only_invalid_candidates(self):
+        code, out, err = run_main(["--devices", "cpu:2", "--candidates", "nccl"])
+        assert code == 2 and "no candidate can run" in err and "NCCL does not run on CPU devices" in err
+
+
+# ------------------------------------------------------------------------------------- fake worker runs
+def fake_spawn(wrong=0, fail=None, slow_without_p2p=1.0, calls=None):
+    def spawn(candidate, target, sizes, iters, warmup, repeats, env=None, timeout=None):
+        if calls is not None:
+            calls.append((candidate.label, dict(env or {})))
+        if fail == candidate.label:
+            return {"ok": False, "candidate": candidate.label, "error": "RuntimeError: boom"}
+        scale = slow_without_p2p if (env or {}).get("NCCL_P2P_DISABLE") == "1" else 1.0
+        ops = "reduce_to_one" if candidate.name == "auto" else candidate.name
+        return {"ok": True, "candidate": candidate.label, "ops": ops,
+                "num_packs": candidate.num_packs, "n_replicas": target.n, "n_gpus": len(target.gpus),
+                "tf_version": "2.21.0", "plan": f"plan for {candidate.label}", "iters": iters, "repeats": repeats,
+                "results": [{"size_bytes": s, "count": s // 4, "time_us": scale * s / 1000.0,
+                             "wrong": wrong if candidate.name == "collective" else 0} for s in sizes]}
+    return spawn
+
+
+class TestFakeRuns:
+    def test_wrong_sums_mean_exit_1(self):
+        records, skipped = bench.measure(bench.parse_candidates("collective,reduce_to_one,nccl"), CPU2,
+                                         [1024, 4096], spawn=fake_spawn(wrong=3), progress=None)
+        assert [r["status"] for r in records] == ["wrong", "wrong", "ok", "ok"]
+        assert skipped == [("nccl:1", "NCCL does not run on CPU devices")]
+        assert bench.exit_code(records) == 1
+        text = bench.render_text("cmd", CPU2, records, skipped, 2, 1, 1, {})
+        assert "# Out of bounds values : 6 WRONG" in text and "WRONG sums from collective" in text
+
+    def test_failed_worker_is_a_row(self):
+        records, _ = bench.measure(bench.parse_candidates("collective,auto"), CPU2, [1024],
+                                   spawn=fake_spawn(fail="collective"), progress=None)
+        assert records[0]["status"] == "failed" and records[0]["error"] == "RuntimeError: boom"
+        assert records[1]["label"] == "auto(reduce_to_one)"
+        text = bench.render_text("cmd", CPU2, records, [], 2, 1, 1, {})
+        assert "FAILED: RuntimeError: boom" in text and bench.exit_code(records) == 1
+
+    def test_table_has_names_units_and_footer(self):
+        records, _ = bench.measure([bench.Candidate("reduce_to_one")], CPU2, [1024, 2**20], spawn=fake_spawn(),
+                                   progress=None)
+        lines = bench.render_candidate_table(records).splitlines()
+        assert lines[1].split() == ["#", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"]
+        assert lines[2].split() == ["#", "(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)"]
+        assert lines[3].split() == ["1024", "256", "float", "sum", "1.0", "1.00", "1.00", "0"]
+        assert lines[-2] == "# Out of bounds values : 0 OK"
+        assert lines[-1] == "# Avg bus bandwidth    : 1.0000 GB/s"
+
+    def test_compare_p2p_runs_twice_and_prints_ratio(self, monkeypatch):
+        calls = []
+        monkeypatch.setattr(bench, "spawn_worker", fake_spawn(slow_without_p2p=7.0, calls=calls))
+        monkeypatch.setattr(bench, "resolve_target", lambda devices, gpus, topology=None: CPU2)
+        code, out, _ = run_main(["--devices", "cpu:2", "--sizes", "1K,4K", "--candidates", "collective",
+                                 "--compare_p2p", "--env", "FOO=1"])
+        assert code == 0
+        assert calls == [("collective", {"FOO": "1"}), ("collective", {"FOO": "1", "NCCL_P2P_DISABLE": "1"})]
+        assert "collective@nop2p" in out and "# NVLink speed-up" in out
+        ratio_rows = out.split("# NVLink speed-up")[1].splitlines()[2:4]
+        assert [row.split() for row in ratio_rows] == [["1K", "7.00x"], ["4K", "7.00x"]]
+
+    def test_compare_p2p_conflicts_with_env(self):
+        code, _, err = run_main(["--devices", "cpu:2", "--compare_p2p", "--env", "NCCL_P2P_DISABLE=0"])
+        assert code == 2 and "--compare_p2p sets NCCL_P2P_DISABLE" in err
+
+    def test_json_to_stdout(self, monkeypatch):
+        monkeypatch.setattr(bench, "spawn_worker", fake_spawn())
+        code, out, err = run_main(["--devices", "cpu:2", "--sizes", "1K", "--candidates", "reduce_to_one,nccl",
+                                   "--json"])
+        assert code == 0 and "skipped nccl:1" in err
+        records = json.loads(out)
+        assert [(r["candidate"], r["status"]) for r in records] == [("reduce_to_one", "ok"), ("nccl:1", "skipped")]
+
+    def test_plot_without_matplotlib_is_a_clear_error(self, monkeypatch):
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
+                            else real(name, *a))
+        monkeypatch.setattr(bench, "spawn_worker", lambda *a, **k: pytest.fail("must fail before measuring"))
+        code, _, err = run_main(["--devices", "cpu:2", "--plot", "out.png"])
+        assert code == 2 and "pip install tf-nvlink[plot]" in err
+
+    def test_spawn_worker_without_result_line(self, monkeypatch):
+        def fake_run(args, **kwargs):
+            assert isinstance(args, list) and "shell" not in kwargs
+            assert args[1:5] == ["-m", "tf_nvlink.bench", "--worker", "--candidate"]
+            assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == ""
+            return subprocess.CompletedProcess(args, 1, stdout="noise\n", stderr="a\nb\nImportError: x\n")
+
+        monkeypatch.setattr(subprocess, "run", fake_run)
+        output = bench.spawn_worker(bench.Candidate("collective"), CPU2, [1024], 2, 1, 1)
+        assert not output["ok"] and "status 1" in output["error"] and "ImportError: x" in output["error"]
+
+
+# ------------------------------------------------------------------------------- one real run on CPU
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """`python -m tf_nvlink.bench` over 2 logical CPU devices, tiny sizes: two worker processes."""
+    folder = tmp_path_factory.mktemp("bench")
+    argv = ["--devices", "cpu:2", "--sizes", "1K,64K", "--iters", "3", "--warmup", "1", "--repeats", "2",
+            "--candidates", "reduce_to_one,collective,nccl", "--json", str(folder / "bench.json")]
+    if HAVE_MATPLOTLIB:
+        argv += ["--plot", str(folder / "bench.png")]
+    code, out, err = run_main(argv)
+    return {"code": code, "out": out, "err": err, "folder": folder, "argv": argv}
+
+
+class TestCpuRun:
+    def test_exit_and_header(self, cpu_run):
+        assert cpu_run["code"] == 0, cpu_run["err"]
+        out = cpu_run["out"]
+        assert "# command: python -m tf_nvlink.bench --devices cpu:2 --sizes 1K,64K" in out
+        assert "# skipped nccl:1: NCCL does not run on CPU devices" in out
+        assert "# Result: OK" in out and out.count("# Avg bus bandwidth") == 2
+
+    def test_records(self, cpu_run):
+        text = (cpu_run["folder"] / "bench.json").read_text()
+        records = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+        measured = [r for r in records if r["status"] != "skipped"]
+        assert {(r["candidate"], r["size_bytes"]) for r in measured} == {
+            (c, s) for c in ("reduce_to_one", "collective") for s in (1024, 65536)}
+        for r in measured:
+            assert r["status"] == "ok" and r["wrong"] == 0 and r["n_replicas"] == 2 and r["n_gpus"] == 0
+            assert r["time_us"] > 0 and r["count"] == r["size_bytes"] // 4 and r["tf_version"]
+            assert r["algbw"] == pytest.approx(r["size_bytes"] / r["time_us"] / 1e3)
+            assert r["busbw"] == pytest.approx(r["algbw"] * bench.bus_factor(2))
+            assert set(("candidate", "ops", "num_packs", "n_gpus", "size_bytes", "time_us", "algbw", "busbw",
+                        "wrong")) <= set(r)
+        assert [r["error"] for r in records if r["status"] == "skipped"] == ["NCCL does not run on CPU devices"]
+
+    @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib not installed (pip install tf-nvlink[plot])")
+    def test_plot(self, cpu_run):
+        png = cpu_run["folder"] / "bench.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_import_is_free_of_tensorflow():
+    code = "import sys, tf_nvlink.bench, tf_nvlink.tune; print('tensorflow' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=Path(bench.__file__).resolve().parents[1])
+    assert result.stdout.strip() == "False", result.stderr
