@@ -283,3 +283,23 @@ def test_import_is_free_of_tensorflow():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             cwd=Path(bench.__file__).resolve().parents[1])
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.gpu
+def test_every_candidate_on_gpus(tmp_path):
+    """On real GPUs (pytest -m gpu): every valid candidate all-reduces correctly, NCCL included."""
+    code, out, err = run_main(["--sizes", "1M,16M", "--iters", "5", "--candidates", bench.DEFAULT_CANDIDATES,
+                               "--json", str(tmp_path / "gpu.json")])
+    assert code == 0, out + err
+    records = json.loads((tmp_path / "gpu.json").read_text())
+    measured = [r for r in records if r["status"] != "skipped"]
+    assert {r["candidate"] for r in measured} >= {"collective", "nccl:1", "nccl:4", "reduce_to_one", "auto"}
+    assert all(r["status"] == "ok" and r["wrong"] == 0 and r["busbw"] > 0 for r in measured)
+
+
+def test_multiline_worker_errors_become_one_line():
+    error = ("ValueError: in user code:\n\n    File \"bench.py\", line 311, in timed  *\n        return x\n"
+             "    ValueError: Device assignment required for nccl collective ops")
+    [failed] = bench.to_records({"ok": False, "error": error}, bench.Candidate("nccl", 1), CPU2)
+    assert failed["error"] == "ValueError: Device assignment required for nccl collective ops"
+    assert bench.short_error(ValueError("in user code:\n  File x\n  ValueError: boom")) == "ValueError: boom"

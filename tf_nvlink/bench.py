@@ -416,6 +416,12 @@ def spawn_worker(candidate: Candidate, target: Target, sizes: Sequence[int], ite
             "error": f"worker exited with status {proc.returncode} without a result: {tail}"[:1000]}
 
 
+def _one_line(error) -> str:
+    """Errors go into table rows: one line, the informative (last) one for TensorFlow's "in user code:" traces."""
+    lines = [line.strip() for line in str(error or "unknown error").splitlines() if line.strip()]
+    return (lines[-1] if len(lines) > 1 and "in user code" in lines[0] else " ".join(lines))[:500]
+
+
 _RECORD_KEYS = ("candidate", "label", "variant", "ops", "num_packs", "n_gpus", "n_replicas", "device_type",
                 "size_bytes", "count", "dtype", "time_us", "algbw", "busbw", "wrong", "status", "error", "env",
                 "iters", "repeats", "tf_version", "plan")
@@ -435,7 +441,7 @@ def to_records(output: dict, candidate: Candidate, target: Target, env: Optional
             "n_gpus": len(target.gpus), "n_replicas": target.n}
     if not output.get("ok"):
         label = candidate.label + (f"@{variant}" if variant else "")
-        return [_record(**base, label=label, status="failed", error=output.get("error", "unknown error"))]
+        return [_record(**base, label=label, status="failed", error=_one_line(output.get("error")))]
     resolved = output["ops"] + (f":{output['num_packs']}" if output.get("num_packs") is not None else "")
     label = f"auto({resolved})" if candidate.name == "auto" else candidate.label
     label += f"@{variant}" if variant else ""
@@ -447,7 +453,7 @@ def to_records(output: dict, candidate: Candidate, target: Target, env: Optional
     for result in output["results"]:
         if "error" in result:
             records.append(_record(**common, size_bytes=result["size_bytes"], count=result.get("count"),
-                                   status="failed", error=result["error"]))
+                                   status="failed", error=_one_line(result["error"])))
             continue
         time_us = float(result["time_us"])
         wrong = int(result["wrong"])
