@@ -29,6 +29,7 @@ strategy (the model's layers support XLA and a GPU is present); on CPU-only mach
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -135,6 +136,35 @@ def fused_allreduce_possible(strategy) -> bool:
     return bool(devices) and all("GPU" in d.upper() for d in devices)
 
 
+def _only_first_replica_variables(optimizer) -> list:
+    """The optimizer's step counters (aggregation ONLY_FIRST_REPLICA: `iterations`, loss-scale counters)."""
+    if optimizer is None:
+        return []
+    return [v for v in optimizer.variables if str(getattr(v, "aggregation", "")) == "only_first_replica"]
+
+
+@contextlib.contextmanager
+def _replica_local(variables):
+    """While tracing one replica's fused step, point ONLY_FIRST_REPLICA variables at that replica's own copy.
+
+    TensorFlow broadcasts replica 0's value for such variables with a `merge_call`, even in its no-merge-call
+    XLA mode, and a `merge_call` cannot live inside XLA. Every replica computes the same value for these counters
+    (iterations + 1), so updating each replica's own copy keeps them identical without the broadcast.
+    """
+    swapped = []
+    try:
+        for variable in variables:
+            mirrored = getattr(variable, "_value", None)
+            local = getattr(mirrored, "_get_on_device_or_primary", None)
+            if local is not None:
+                swapped.append((variable, mirrored))
+                variable._value = local()
+        yield
+    finally:
+        for variable, mirrored in swapped:
+            variable._value = mirrored
+
+
 def _replica_id() -> int:
     context = tf.distribute.get_replica_context()
     replica_id = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
@@ -164,10 +194,23 @@ class PerReplicaXlaStep:
         return self.kind != "train" or fused_allreduce_possible(strategy) and getattr(
             strategy, "xla_allreduce", "split") == "fused"
 
+    def _fused_body(self) -> Callable:
+        optimizer = self.model.optimizer
+        step_function = self.step_function
+
+        def body(data):
+            with _replica_local(_only_first_replica_variables(optimizer)):
+                return step_function(data)
+
+        return body
+
     def _compiled_for(self, replica_id: int):
         with self._lock:
             if replica_id not in self._compiled:
-                body = self.step_function if self.fused else self._train_body(replica_id)
+                if self.kind != "train":
+                    body = self.step_function
+                else:
+                    body = self._fused_body() if self.fused else self._train_body(replica_id)
                 self._compiled[replica_id] = tf.function(body, jit_compile=True, reduce_retracing=True,
                                                          autograph=False)
             return self._compiled[replica_id]
