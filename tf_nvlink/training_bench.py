@@ -164,6 +164,10 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
     return results
 
 
+def _ratio(value: Optional[float]) -> str:
+    return "N/A" if value is None else f"{value:.2f}"
+
+
 def render_table(results: list[dict]) -> str:
     """Examples/s per candidate, with speed-up over 1 GPU and scaling efficiency = thr_N / (N x thr_1)."""
     one = next((r for r in results if r["candidate"] == "1gpu" and "error" not in r), None)
@@ -176,12 +180,19 @@ def render_table(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['candidate']:<22}  FAILED: {r['error'][:150]}")
             continue
-        vs_one = r["examples_per_s"] / one["examples_per_s"] if one else float("nan")
-        scaling = vs_one / r["replicas"] if one else float("nan")
-        vs_stock = r["examples_per_s"] / stock["examples_per_s"] if stock else float("nan")
+        vs_one = r["examples_per_s"] / one["examples_per_s"] if one else None
+        scaling = vs_one / r["replicas"] if one else None
+        vs_stock = r["examples_per_s"] / stock["examples_per_s"] if stock else None
         lines.append(f"{r['candidate']:<22}{r['replicas']:>9}{'yes' if r['jit_compile'] else 'no':>5}"
-                     f"{r['step_ms']:>9.1f}{r['examples_per_s']:>12.0f}{vs_one:>10.2f}{scaling:>9.2f}"
-                     f"{vs_stock:>10.2f}")
+                     f"{r['step_ms']:>9.1f}{r['examples_per_s']:>12.0f}{_ratio(vs_one):>10}{_ratio(scaling):>9}"
+                     f"{_ratio(vs_stock):>10}")
+    ok = {r["candidate"]: r for r in results if "error" not in r}
+    for name, record in ok.items():
+        base = name.replace("@nop2p", "")
+        if name.endswith("@nop2p") and base in ok:
+            lines.append(f"# NVLink speed-up for {base}: {ok[base]['examples_per_s'] / record['examples_per_s']:.2f}x "
+                         f"({ok[base]['examples_per_s']:.0f} vs {record['examples_per_s']:.0f} examples/s with "
+                         f"NCCL_P2P_DISABLE=1)")
     plans = sorted({r["plan"] for r in results if r.get("plan")})
     lines += [f"# {p}" for p in plans]
     return "\n".join(lines)

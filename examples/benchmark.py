@@ -1,0 +1,62 @@
+r"""Synthetic training throughput: tf_nvlink's plan against every cross-device-ops candidate, 1 GPU against all.
+
+    python examples/benchmark.py                                 # the seed MLP, every candidate
+    python examples/benchmark.py --model resnet50 --candidates 1gpu,stock,auto
+    python examples/benchmark.py --model resnet50 --nvlink_off   # adds each candidate with NCCL_P2P_DISABLE=1
+
+Each candidate trains in its own process (TensorFlow tolerates one MirroredStrategy per process) on synthetic
+data, side by side in one run, and the table gives examples/s, the speed-up over one GPU, the scaling efficiency
+(throughput_N / (N x throughput_1)) and the ratio to TensorFlow's stock MirroredStrategy.
+"""
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+try:
+    from tf_nvlink import training_bench
+except ImportError:  # run from a source checkout without `pip install .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tf_nvlink import training_bench
+
+_MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
+                           "mlp: the seed 784-256-128-10 MLP (overhead-bound); resnet50: ResNet-50 on 224x224 "
+                           "synthetic images with mixed_bfloat16 (compute-heavy); convnet: a tiny CPU-friendly net.")
+_CANDIDATES = flags.DEFINE_string(
+    "candidates", ",".join(training_bench.CANDIDATES),
+    "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
+    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p, @split or @fused.")
+_BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
+                              lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)
+_JIT = flags.DEFINE_bool("jit", True, "XLA for 1gpu and tf_nvlink candidates (stock keeps Keras' choice: off).")
+_NVLINK_OFF = flags.DEFINE_bool("nvlink_off", False, "Also run tf_nvlink's plan with NCCL_P2P_DISABLE=1, to show "
+                                "what NVLink buys on this machine.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Run over N logical CPU devices instead of GPUs (machines "
+                                    "without GPUs, tests). 0: GPUs.", lower_bound=0)
+_JSON = flags.DEFINE_string("json", "", "Write the records to this JSON file.")
+
+
+def main(argv):
+    del argv
+    try:
+        candidates = training_bench.parse_candidates(_CANDIDATES.value)
+    except ValueError as exc:
+        raise app.UsageError(str(exc)) from exc
+    if _NVLINK_OFF.value and "auto@nop2p" not in candidates:
+        candidates.append("auto@nop2p")
+    print("# " + " ".join(sys.argv), flush=True)
+    results = training_bench.run_candidates(_MODEL.value, candidates, _BATCH.value, _STEPS.value, _JIT.value,
+                                            cpu_devices=_CPU_DEVICES.value)
+    print(training_bench.render_table(results))
+    if _JSON.value:
+        with open(_JSON.value, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=1)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,55 @@
+"""The training benchmark (tf_nvlink/training_bench.py, examples/benchmark.py) on logical CPU devices."""
+
+import pytest
+
+from conftest import run_python
+from tf_nvlink import training_bench
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1gpu,auto", ["1gpu", "auto"]),
+    ("nccl@nop2p, auto@split", ["nccl@nop2p", "auto@split"]),
+    ("auto@nop2p@fused", ["auto@nop2p@fused"]),
+])
+def test_parse_candidates(text, expected):
+    assert training_bench.parse_candidates(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "gpu", "auto@fast", "auto@split@fused", "auto@nop2p@nop2p"])
+def test_parse_candidates_rejects_unknown_names_listing_valid_ones(text):
+    with pytest.raises(ValueError, match="reduce_to_one"):
+        training_bench.parse_candidates(text)
+
+
+def test_table_ratios_scaling_and_nvlink_speedup():
+    rows = [
+        {"candidate": "1gpu", "replicas": 1, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 3200.0},
+        {"candidate": "stock", "replicas": 2, "jit_compile": False, "step_ms": 200.0, "examples_per_s": 1280.0},
+        {"candidate": "auto", "replicas": 2, "jit_compile": True, "step_ms": 44.0, "examples_per_s": 5760.0,
+         "plan": "tf_nvlink plan: X"},
+        {"candidate": "auto@nop2p", "replicas": 2, "jit_compile": True, "step_ms": 50.0, "examples_per_s": 4800.0},
+        {"candidate": "nccl", "error": "boom"},
+    ]
+    table = training_bench.render_table(rows)
+    auto_row = next(line for line in table.splitlines() if line.startswith("auto "))
+    assert auto_row.split()[-3:] == ["1.80", "0.90", "4.50"]  # vs 1 GPU, scaling, vs stock
+    assert "NVLink speed-up for auto: 1.20x" in table
+    assert "nccl" in table and "FAILED: boom" in table and "# tf_nvlink plan: X" in table
+
+
+def test_benchmark_example_runs_candidates_in_their_own_processes(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_python(["examples/benchmark.py", "--model", "convnet", "--candidates", "1gpu,auto",
+                       "--cpu_devices", "2", "--steps", "2", "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "examples/s" in proc.stdout and "# tf_nvlink plan: CPU" in proc.stdout
+    import json
+
+    records = json.loads(out.read_text())
+    assert [r["candidate"] for r in records] == ["1gpu", "auto"]
+    assert records[1]["replicas"] == 2 and records[1]["jit_compile"] and records[0]["examples_per_s"] > 0
+
+
+def test_benchmark_example_rejects_bad_candidates():
+    proc = run_python(["examples/benchmark.py", "--candidates", "warp_drive"], timeout=120)
+    assert proc.returncode != 0 and "Unknown candidate 'warp_drive'" in proc.stderr
