@@ -100,7 +100,7 @@ def test_mnist_mlp_bad_strategy_flags_are_usage_errors(tmp_path):
 def test_mnist_mlp_helpfull_documents_the_flags():
     result = run_python([MNIST_MLP, "--helpfull"], timeout=120)
     assert result.returncode == 1, result.stderr  # absl's help flags exit with status 1
-    for flag in ("--gpus", "--cross_device_ops: <auto|nccl|hierarchical|reduce_to_one|collective>",
+    for flag in ("--gpus", "<auto|autotune|nccl|hierarchical|reduce_to_one|collective>",
                  "--num_packs", "--batch_size: GLOBAL batch size", "--epochs", "--model_dir", "--[no]jit_compile",
                  "--dataset: <auto|mnist|digits>", "--steps_per_epoch"):
         assert flag in result.stdout, flag

@@ -17,7 +17,7 @@ import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import tf_nvlink
-from tf_nvlink import report
+from tf_nvlink import bench, report, tune
 
 
 class Subcommand(NamedTuple):
@@ -29,6 +29,8 @@ class Subcommand(NamedTuple):
 # name -> Subcommand; the first one is what a bare `tf-nvlink` (or `tf-nvlink --json`) runs.
 SUBCOMMANDS: dict[str, Subcommand] = {
     "report": Subcommand(report.HELP, report.add_arguments, report.run),
+    "bench": Subcommand(bench.HELP, bench.add_arguments, bench.run),
+    "tune": Subcommand(tune.HELP, tune.add_arguments, tune.run),
 }
 DEFAULT_SUBCOMMAND = "report"
 

@@ -24,7 +24,8 @@ OPS = {
     "reduce_to_one": "tf.distribute.ReductionToOneDevice",
     "collective": "CollectiveAllReduce (TensorFlow's MirroredStrategy default, NCCL inside)",
 }
-OPS_CHOICES = ("auto",) + tuple(OPS)
+# "autotune": measure the candidates on the chosen GPUs once and reuse the stored winner (tf_nvlink/tune.py).
+OPS_CHOICES = ("auto", "autotune") + tuple(OPS)
 # Ops that pack gradients into `num_packs` buffers (tf.distribute.AllReduceCrossDeviceOps).
 PACKED_OPS = ("nccl", "hierarchical")
 # How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla.py).
@@ -147,7 +148,7 @@ def validate_ops(cross_device_ops: str, num_packs) -> None:
         if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
             raise ValueError(f"num_packs should be a non-negative integer (0 = no packing) or None for the "
                              f"policy's choice. Received: num_packs={num_packs!r}")
-        if cross_device_ops not in PACKED_OPS + ("auto",):
+        if cross_device_ops not in PACKED_OPS + ("auto", "autotune"):
             raise ValueError(f"num_packs applies to cross_device_ops in {list(PACKED_OPS)}, not "
                              f"{cross_device_ops!r}. Received: num_packs={num_packs!r}")
 
@@ -168,7 +169,9 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         chosen = parse_gpus(gpus, topology, visible)
     shape = topology.kind(chosen)
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
-    ops, packs, reason = _choose_ops(topology, chosen, shape, cross_device_ops, num_packs)
+    # "autotune" plans like "auto"; the strategy then swaps in the measured winner (it needs TensorFlow).
+    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops
+    ops, packs, reason = _choose_ops(topology, chosen, shape, rule_request, num_packs)
     available = topology.indices if visible is None else tuple(visible)
     if isinstance(gpus, str) and gpus.strip().lower() == "auto" and 0 < len(chosen) < len(available):
         reason += (f"; gpus='auto' took the largest NVLink-connected group {list(chosen)} of {list(available)} "

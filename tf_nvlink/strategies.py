@@ -101,9 +101,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             group; ties go to faster links, then more free memory), a list of NVML/nvidia-smi indices, or a
             string such as "0,1". Indices are mapped to TensorFlow devices by PCI bus id, so
             `CUDA_VISIBLE_DEVICES` reordering is honoured.
-        cross_device_ops: "auto" (the policy decides from the topology), "nccl", "hierarchical",
-            "reduce_to_one", "collective" (TensorFlow's default CollectiveAllReduce), or a
-            `tf.distribute.CrossDeviceOps` instance.
+        cross_device_ops: "auto" (the policy decides from the topology, or a stored `tf-nvlink tune` winner
+            for these GPUs), "autotune" (measure the candidates now if nothing is stored, then store the
+            winner), "nccl", "hierarchical", "reduce_to_one", "collective" (TensorFlow's default
+            CollectiveAllReduce), or a `tf.distribute.CrossDeviceOps` instance.
         num_packs: gradient packs for "nccl"/"hierarchical" (None: the policy's choice).
         devices: explicit TensorFlow device names, overriding `gpus` (e.g. ["/cpu:0", "/cpu:1"] in tests).
         topology: a `Topology` to plan for (default: probe NVML now).
@@ -153,6 +154,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
                     else "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'")
         visible = []
     plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce)
+    plan = _apply_tuning(plan, topology, ops_name, num_packs)
     if devices:
         device_names = list(devices)
     elif plan.gpus:
@@ -177,6 +179,21 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     if _XLA_PROBLEM[0]:
         log.warning("tf_nvlink: per-replica XLA unavailable: %s", _XLA_PROBLEM[0])
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_packs) -> policy.Plan:
+    """"autotune": the stored winner, or measure now; "auto": a stored winner beats the rules when one exists."""
+    if len(plan.gpus) < 2 or ops_name not in ("auto", "autotune") or num_packs is not None:
+        return plan
+    from tf_nvlink import tune  # noqa: PLC0415 - only multi-GPU plans need it
+
+    # Before devices_lib.tf_gpus(): measuring runs in worker processes that need the GPUs' memory.
+    choice = tune.autotune_choice(topology, plan.gpus) if ops_name == "autotune" else tune.stored_choice(
+        topology, plan.gpus)
+    if choice is None:
+        return plan
+    ops, packs, reason = choice
+    return _replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason)
 
 
 def _replace(plan: policy.Plan, **changes) -> policy.Plan:
