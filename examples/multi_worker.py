@@ -1,0 +1,170 @@
+r"""Train the 784-256-128-10 MLP on several workers (hosts) with MultiWorkerMirroredStrategy, the all-reduce of each
+worker chosen from its own GPUs and links by tf_nvlink.
+
+Every worker runs this same program; TF_CONFIG tells each one the cluster and which task it is. Two workers on
+one host (two shells; only the task index differs):
+
+    TF_CONFIG='{"cluster": {"worker": ["localhost:12345", "localhost:12346"]},
+                "task": {"type": "worker", "index": 0}}' python examples/multi_worker.py --dataset digits
+    TF_CONFIG='{"cluster": {"worker": ["localhost:12345", "localhost:12346"]},
+                "task": {"type": "worker", "index": 1}}' python examples/multi_worker.py --dataset digits
+
+Each worker waits up to --peer_timeout seconds for the others to start, then they train in lockstep. Without
+TF_CONFIG (or with a single worker in it) the program trains on this host alone.
+
+--batch_size is the GLOBAL batch: each step, each of the N workers x G GPUs replicas gets batch_size / (N x G)
+examples (every worker reads its own shard of the data). The chief (task "chief", or worker 0 without one)
+writes <model_dir>/model.keras; the other workers save to a temporary directory they delete afterwards (every
+worker must take part in saving, since saving may all-reduce variables). Every worker prints a checksum of its
+final weights: they are equal when the workers trained in sync.
+"""
+
+import hashlib
+import math
+import os
+import shutil
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+import keras
+import numpy as np
+import tensorflow as tf
+
+try:
+    import tf_nvlink
+except ImportError:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import tf_nvlink
+from tf_nvlink import datasets
+from tf_nvlink import multi_worker
+
+DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
+
+_EPOCHS = flags.DEFINE_integer("epochs", 3, "Training epochs.", lower_bound=1)
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", 256, "GLOBAL batch size over all workers and their GPUs (must be divisible by the number of "
+    "replicas).", lower_bound=1)
+_STEPS_PER_EPOCH = flags.DEFINE_integer(
+    "steps_per_epoch", None, "Global batches per epoch (unset: one pass over the training data).", lower_bound=1)
+_MODEL_DIR = flags.DEFINE_string(
+    "model_dir", "", f"Where the chief writes model.keras (empty: {DEFAULT_MODEL_DIR}). Use a directory every host "
+    "can reach, or the chief's local disk.")
+_DATASET = flags.DEFINE_enum(
+    "dataset", "auto", datasets.CHOICES,
+    "'mnist' (Keras cache or download), 'digits' (offline UCI digits shipped with tf_nvlink), or 'auto' "
+    "(MNIST if cached or downloadable within a few seconds, else digits). Every worker must load the same one.")
+_PEER_TIMEOUT = flags.DEFINE_float(
+    "peer_timeout", multi_worker.DEFAULT_PEER_TIMEOUT_S,
+    "Seconds to wait for every other worker in TF_CONFIG to accept connections before giving up.", lower_bound=0.1)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for weight initialisation and shuffling (the same on every worker).")
+
+
+def _strategy_before_wiring(peer_timeout_s):
+    """MultiWorkerMirroredStrategy when TF_CONFIG names several workers, else this host's tf_nvlink strategy."""
+    cluster = multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
+    if cluster is None:
+        return tf_nvlink.strategy()
+    strategy, _ = multi_worker.build_strategy(tf_nvlink.probe(), cluster, peer_timeout_s=peer_timeout_s)
+    return strategy
+
+
+def make_strategy(peer_timeout_s):
+    """The strategy, built before any other TensorFlow op (MultiWorkerMirroredStrategy must be); prints its plan."""
+    try:
+        # Once tf_nvlink.strategy() reads TF_CONFIG itself, this line becomes
+        # `strategy = tf_nvlink.strategy(peer_timeout_s=peer_timeout_s)` and _strategy_before_wiring goes.
+        strategy = _strategy_before_wiring(peer_timeout_s)
+    except multi_worker.TfConfigError as error:
+        raise app.UsageError(str(error)) from error
+    except multi_worker.PeerUnreachableError as error:
+        sys.exit(f"multi_worker.py: {error}")
+    print(strategy.plan.summary(), flush=True)
+    return strategy
+
+
+def build_mlp(learning_rate=1e-3):
+    """The seed's 784-256-128-10 MLP (logits out), Adam, sparse categorical cross-entropy. Call in strategy.scope()."""
+    model = keras.Sequential([
+        keras.Input(shape=(784,)),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(10),
+    ], name="mnist_mlp")
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+    return model
+
+
+def make_datasets(data, global_batch, seed=0):
+    """Training data repeated without end (every worker runs the same number of steps) and the test data, batched
+    with the GLOBAL batch and sharded by element: the strategy gives each worker its part of each batch."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    train = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
+    train = train.shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True).repeat()
+    train = train.batch(global_batch, drop_remainder=True).with_options(options).prefetch(tf.data.AUTOTUNE)
+    test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test)).batch(global_batch)
+    return train, test.with_options(options)
+
+
+def weights_checksum(model):
+    """sha256 (first 16 hex digits) of the model's weights, and their number: equal on workers in sync."""
+    digest = hashlib.sha256()
+    count = 0
+    for weights in model.get_weights():
+        digest.update(np.ascontiguousarray(weights, dtype=np.float32).tobytes())
+        count += weights.size
+    return digest.hexdigest()[:16], count
+
+
+def save_model(model, strategy, model_dir):
+    """The standard MultiWorkerMirroredStrategy save: every worker saves, only the chief's copy is kept."""
+    if strategy.extended.should_checkpoint:
+        os.makedirs(model_dir, exist_ok=True)
+        path = os.path.join(model_dir, "model.keras")
+        model.save(path)
+        return path
+    scratch = tempfile.mkdtemp(prefix="tf_nvlink_worker_")
+    try:
+        model.save(os.path.join(scratch, "model.keras"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return None
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    strategy = make_strategy(_PEER_TIMEOUT.value)  # first: before any other TensorFlow op
+    keras.utils.set_random_seed(_SEED.value)
+    replicas, global_batch = strategy.num_replicas_in_sync, _BATCH_SIZE.value
+    if global_batch % replicas:
+        raise app.UsageError(f"--batch_size={global_batch} (the global batch) is not divisible by the {replicas} "
+                             f"replicas; use a multiple of {replicas}.")
+    data = datasets.load_mnist_or_fallback(_DATASET.value)
+    steps = _STEPS_PER_EPOCH.value or math.ceil(len(data.x_train) / global_batch)
+    print(f"dataset: {data.description}", flush=True)
+    print(f"replicas: {replicas}, global batch {global_batch} = {global_batch // replicas} per replica, "
+          f"{steps} steps per epoch", flush=True)
+
+    train, test = make_datasets(data, global_batch, seed=_SEED.value)
+    with strategy.scope():
+        model = build_mlp()
+    chief = strategy.extended.should_checkpoint
+    history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=steps, shuffle=False,
+                        verbose=2 if chief else 0)
+    losses = history.history["loss"]
+    print(f"loss per epoch: {' '.join(f'{loss:.4f}' for loss in losses)}", flush=True)
+    _, accuracy = model.evaluate(test, verbose=0)
+    print(f"test accuracy: {accuracy:.4f}", flush=True)
+    checksum, count = weights_checksum(model)
+    print(f"final weights: sha256 {checksum} ({count:,} parameters)", flush=True)
+    path = save_model(model, strategy, _MODEL_DIR.value or DEFAULT_MODEL_DIR)
+    print(f"saved {path}" if path else "not the chief: saved to a temporary directory, deleted", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
