@@ -61,21 +61,10 @@ _PEER_TIMEOUT = flags.DEFINE_float(
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weight initialisation and shuffling (the same on every worker).")
 
 
-def _strategy_before_wiring(peer_timeout_s):
-    """MultiWorkerMirroredStrategy when TF_CONFIG names several workers, else this host's tf_nvlink strategy."""
-    cluster = multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
-    if cluster is None:
-        return tf_nvlink.strategy()
-    strategy, _ = multi_worker.build_strategy(tf_nvlink.probe(), cluster, peer_timeout_s=peer_timeout_s)
-    return strategy
-
-
 def make_strategy(peer_timeout_s):
     """The strategy, built before any other TensorFlow op (MultiWorkerMirroredStrategy must be); prints its plan."""
     try:
-        # Once tf_nvlink.strategy() reads TF_CONFIG itself, this line becomes
-        # `strategy = tf_nvlink.strategy(peer_timeout_s=peer_timeout_s)` and _strategy_before_wiring goes.
-        strategy = _strategy_before_wiring(peer_timeout_s)
+        strategy = tf_nvlink.strategy(peer_timeout_s=peer_timeout_s)  # reads TF_CONFIG
     except multi_worker.TfConfigError as error:
         raise app.UsageError(str(error)) from error
     except multi_worker.PeerUnreachableError as error:

@@ -8,7 +8,6 @@ tests show it is the plugin's mechanism that fixes it.
 import inspect
 import json
 
-import pytest
 
 from conftest import run_python
 

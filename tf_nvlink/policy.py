@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from tf_nvlink.topology import Topology
 

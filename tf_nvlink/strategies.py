@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Optional, Sequence
 
@@ -93,7 +94,8 @@ def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce):
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
              devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
-             xla_allreduce: str = "auto") -> tf.distribute.MirroredStrategy:
+             xla_allreduce: str = "auto", cluster_resolver=None,
+             peer_timeout_s: Optional[float] = None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -111,6 +113,12 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         xla_allreduce: for models compiled with jit_compile=True: "fused" (the whole step, gradient
             all-reduce included, is one XLA program per replica; GPUs only), "split" (XLA computes gradients,
             the plan's cross-device ops all-reduce them outside XLA), or "auto" (fused on 2+ GPUs).
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` (e.g. SlurmClusterResolver) for
+            several hosts. Without it, a `TF_CONFIG` naming several workers does the same. Either way the result
+            is a `tf.distribute.MultiWorkerMirroredStrategy` whose communication (NCCL on GPU workers, RING on
+            CPU-only ones) is chosen from this host's topology; see `tf_nvlink.multi_worker`. Call it first in
+            the program, before any TensorFlow op.
+        peer_timeout_s: how long a worker waits for the other workers to be reachable (default 60 s).
 
     Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
     same request returns the same strategy; a different request raises RuntimeError.
@@ -120,7 +128,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
-    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce) + (
+        None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
         if _CURRENT:
             if _CURRENT["key"] == key:
@@ -130,7 +139,16 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                 f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
                 f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
                 f"arguments returns it), or run the other configuration in its own process.")
-        built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
+        from tf_nvlink import multi_worker  # noqa: PLC0415 - only TF_CONFIG users need it
+
+        cluster = None if cluster_resolver is not None else multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
+        if cluster_resolver is not None or cluster is not None:
+            multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
+            built, plan = multi_worker.build_strategy(
+                topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
+                peer_timeout_s=multi_worker.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+        else:
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     return built
