@@ -93,6 +93,33 @@ class TestMath:
         # 256 MiB in 1647 us on 2 GPUs: about 163 GB/s, hardware-facts' TensorFlow default figure.
         assert bench.busbw_gbps(256 * 2**20, 1647.0, 2) == pytest.approx(163.0, rel=0.01)
 
+    @pytest.mark.parametrize("raw,local,expected", [
+        (1000.0, 160.0, (840.0, False)),  # 256 MiB-like: the max costs a small share, all of it subtracted
+        (10.0, 5.0, (5.0, False)),  # exactly half: still subtracted in full
+        (10.0, 8.0, (5.0, True)),  # more than half: capped, at most MAX_LOCAL_SHARE of the chained time goes
+        (10.0, 30.0, (5.0, True)),
+        (10.0, 0.0, (10.0, False)), (10.0, None, (10.0, False)), (10.0, -1.0, (10.0, False)),
+    ])
+    def test_subtract_local(self, raw, local, expected):
+        assert bench.MAX_LOCAL_SHARE == 0.5
+        time_us, capped = bench.subtract_local(raw, local)
+        assert (time_us, capped) == pytest.approx(expected)
+
+    def test_local_work_is_in_the_records_and_the_footer(self):
+        output = {"ok": True, "ops": "reduce_to_one", "num_packs": None, "n_replicas": 2, "n_gpus": 2,
+                  "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": 1400.0, "raw_time_us": 1560.0,
+                               "local_us": 160.0, "local_capped": False, "wrong": 0},
+                              {"size_bytes": 2**10, "count": 2**8, "time_us": 10.0, "raw_time_us": 20.0,
+                               "local_us": 15.0, "local_capped": True, "wrong": 0}]}
+        records = bench.to_records(output, bench.Candidate("reduce_to_one"), bench.Target("GPU", 2, (0, 1)))
+        assert [(r["raw_time_us"], r["local_us"], r["local_capped"]) for r in records] == [
+            (1560.0, 160.0, False), (20.0, 15.0, True)]
+        assert records[0]["algbw"] == pytest.approx(2**28 / 1400e-6 / 1e9)  # from the corrected time
+        lines = bench.render_candidate_table(records).splitlines()
+        assert lines[-3] == ("# Local work subtracted: 256M 160.0, 1K 15.0 (capped: 10.0 subtracted) us per "
+                             "all-reduce (the chain without the all-reduce, less an empty call)")
+        assert lines[-2] == "# Out of bounds values : 0 OK"
+
     def test_records_carry_the_formula(self):
         output = {"ok": True, "ops": "reduce_to_one", "num_packs": None, "n_replicas": 4, "n_gpus": 4,
                   "results": [{"size_bytes": 2**20, "count": 2**18, "time_us": 100.0, "wrong": 0}]}
@@ -256,6 +283,8 @@ class TestCpuRun:
         assert "# command: python -m tf_nvlink.bench --devices cpu:2 --sizes 1K,64K" in out
         assert "# skipped nccl:1: NCCL does not run on CPU devices" in out
         assert "# Result: OK" in out and out.count("# Avg bus bandwidth") == 2
+        assert "# method: each all-reduce's input is tf.maximum(previous sum, floor)" in out
+        assert out.count("# Local work subtracted: 1K ") == 2
 
     def test_records(self, cpu_run):
         text = (cpu_run["folder"] / "bench.json").read_text()
@@ -268,6 +297,9 @@ class TestCpuRun:
             assert r["time_us"] > 0 and r["count"] == r["size_bytes"] // 4 and r["tf_version"]
             assert r["algbw"] == pytest.approx(r["size_bytes"] / r["time_us"] / 1e3)
             assert r["busbw"] == pytest.approx(r["algbw"] * bench.bus_factor(2))
+            assert r["local_us"] >= 0 and r["raw_time_us"] >= r["time_us"]
+            assert (r["time_us"], r["local_capped"]) == pytest.approx(bench.subtract_local(r["raw_time_us"],
+                                                                                            r["local_us"]))
             assert set(("candidate", "ops", "num_packs", "n_gpus", "size_bytes", "time_us", "algbw", "busbw",
                         "wrong")) <= set(r)
         assert [r["error"] for r in records if r["status"] == "skipped"] == ["NCCL does not run on CPU devices"]
@@ -276,6 +308,30 @@ class TestCpuRun:
     def test_plot(self, cpu_run):
         png = cpu_run["folder"] / "bench.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_chained_reduce_to_one_moves_data_every_iteration():
+    """The graph TensorFlow actually runs (after Grappler, partitioned per device) for reduce_to_one over 2 logical
+    CPU devices holds one buffer transfer each way per chained all-reduce, and the per-iteration tf.maximum.
+
+    Without the tf.maximum(sum, floor) step Grappler turned the whole chain into ONE AddN on the first device
+    with a single transfer, so the benchmark timed no link traffic after the first all-reduce.
+    """
+    iters = 4
+    command = [sys.executable, "-m", "tf_nvlink.bench", "--worker", "--inspect", "--candidate", "reduce_to_one",
+               "--target", "cpu:2", "--sizes", "1K", "--iters", str(iters)]
+    result = subprocess.run(command, env=bench.worker_env(CPU2), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    timed, local = report["timed"], report["local"]
+    # first iteration: replica 1's input goes to CPU:0 (a function argument on CPU, so not counted here); every
+    # iteration: the sum goes back to CPU:1; every iteration but the last: replica 1's next input goes to CPU:0.
+    assert timed["routes"].get("CPU:1->CPU:0", 0) >= iters - 1, timed  # TensorFlow 2.21: exactly iters - 1
+    assert timed["routes"].get("CPU:0->CPU:1", 0) >= iters, timed  # TensorFlow 2.21: exactly iters
+    assert timed["sources"] == ["AddN", "Maximum"]
+    assert timed["op_counts"]["AddN"] == iters and timed["op_counts"]["Maximum"] == 2 * iters
+    # the local-only chain: the same maxes, nothing crosses devices
+    assert local["transfers"] == 0 and local["op_counts"]["Maximum"] == 2 * iters
 
 
 def test_import_is_free_of_tensorflow():

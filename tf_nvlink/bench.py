@@ -8,8 +8,27 @@ because TensorFlow tolerates one MirroredStrategy per process. Inside a worker, 
   `tf.distribute.get_replica_context().merge_call` + `strategy.extended.batch_reduce_to` (what Keras optimizers
   do), each feeding the next so they serialise, and returns one scalar per replica (returning the buffer would
   time a device-to-host copy instead of the link);
-- `warmup` calls first (the first traces), then `repeats` timed calls, each ended by a tiny host read;
-  time = wall time / (repeats * iters);
+- each all-reduce's input is a fresh buffer made on its replica's device: `x = tf.maximum(reduced, floor)`, with
+  `floor` a per-replica -inf passed as a tf.function argument (a runtime value, so Grappler cannot fold it; max
+  with -inf changes nothing, so the sums stay exact). Without it Grappler sees through the chain: for
+  reduce_to_one the ArithmeticOptimizer merges the chained AddNs through the broadcast identities (on 2 logical
+  CPU devices the whole chain became ONE AddN on the first device, its result sent once), so after the first
+  all-reduce no data crossed between devices. That fits reduce_to_one's "483 GB/s" busbw on 2x H200 without the
+  fix, above the 394 GB/s a GPU-to-GPU copy reaches (the GPU graph itself was not inspected); hierarchical, built
+  from the same adds and identity copies, is probably exposed the same way; NCCL and collective ops are not.
+  `tf.maximum` rather than `+ 0.0`: Grappler's AddOpsRewrite merges chained adds too (a chain of `x + d` became
+  `x + 4*d`). With the fix, the partitioned graph of reduce_to_one over 2 devices holds one buffer transfer each
+  way per all-reduce (`python -m tf_nvlink.bench --worker --inspect --candidate reduce_to_one
+  --target cpu:2 --sizes 1K --iters 4` prints the counts; tests/test_bench.py checks them);
+- the local work this adds (one elementwise max over the buffer per replica per all-reduce, ~2x buffer bytes of
+  memory traffic) is timed in the same worker by the same chain with the all-reduce left out, minus the same
+  call with no op at all (so the per-call overhead, dispatch and host read, stays in the figures as before), and
+  subtracted: time = chained time - local time, but never below (1 - MAX_LOCAL_SHARE) of the chained time (at
+  tiny sizes per-op overhead dominates and the difference is noise); the tables' footers list what was
+  subtracted and where the cap applied, the JSON records carry raw_time_us, local_us and local_capped;
+- for each function, `warmup` calls first (the first traces), then `repeats` timed calls, each ended by a tiny
+  host read; chained time = wall time / (repeats * iters); local time = (local chain's wall time - the empty
+  call's) / (repeats * iters);
 - after the timed loop, one more all-reduce of the same buffers is checked on the device: every element must be
   n(n+1)/2 exactly; #wrong counts the elements that are not (summed over replicas).
 
@@ -53,6 +72,9 @@ CANDIDATE_NAMES = ("collective", "nccl", "hierarchical", "reduce_to_one", "auto"
 DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one,auto"
 DTYPE_BYTES = 4  # float32
 MAX_PACKS = 64
+# The local-work correction may remove at most this share of the chained time (so it at most doubles algbw): at
+# tiny sizes per-op overhead dominates both chains and their difference is noise.
+MAX_LOCAL_SHARE = 0.5
 P2P_ENV = {"NCCL_P2P_DISABLE": "1"}
 P2P_VARIANT = "nop2p"  # the label suffix tf_nvlink.training_bench uses for NCCL_P2P_DISABLE=1 runs
 _RESULT_PREFIX = "{"
@@ -263,6 +285,26 @@ def busbw_gbps(size_bytes: int, time_us: float, n: int) -> float:
     return algbw_gbps(size_bytes, time_us) * bus_factor(n)
 
 
+def subtract_local(raw_us: float, local_us: Optional[float]) -> tuple[float, bool]:
+    """Time per all-reduce without the chain's local work: (raw - local, False), or (raw * (1 - MAX_LOCAL_SHARE),
+    True) when the local time is more than MAX_LOCAL_SHARE of the raw time (the correction is then capped).
+
+    `raw_us`: the chained time per all-reduce, including one local op per replica; `local_us`: the same chain
+    with the all-reduce left out, per iteration (None or <= 0: nothing to subtract).
+
+    Example:
+        >>> subtract_local(1000.0, 160.0)
+        (840.0, False)
+        >>> subtract_local(10.0, 8.0)
+        (5.0, True)
+    """
+    if not local_us or local_us <= 0:
+        return raw_us, False
+    floor = raw_us * (1.0 - MAX_LOCAL_SHARE)
+    corrected = raw_us - local_us
+    return (floor, True) if corrected < floor else (corrected, False)
+
+
 # --------------------------------------------------------------------------------------------- the worker
 def _silence_stdout():
     """Send anything TensorFlow or Python prints to stderr, so stdout carries only the result line."""
@@ -271,9 +313,8 @@ def _silence_stdout():
     return real
 
 
-def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: int, warmup: int,
-           repeats: int) -> dict:
-    """Measure `candidate` at `sizes` in THIS process (call it once per process); returns a JSON-ready dict."""
+def _worker_strategy(candidate: Candidate, target_spec: str):
+    """(tf, strategy, plan, cpu) for `candidate` on `target_spec` ("cpu:N" or "gpu:0,1"), once per process."""
     cpu = re.fullmatch(r"cpu:(\d+)", target_spec)
     import tensorflow as tf  # noqa: PLC0415 - only workers import TensorFlow
 
@@ -293,7 +334,19 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
     else:
         strategy = strategies.strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
                                        num_packs=candidate.num_packs)
-    plan = strategies.current_plan()
+    return tf, strategy, strategies.current_plan(), bool(cpu)
+
+
+def _chains(tf, strategy, iters: int):
+    """The worker's tf.functions: (timed, local, empty, check).
+
+    timed(x, floor): `iters` chained all-reduces, each input a fresh `tf.maximum(previous sum, floor)` on its
+    replica's device (see the module docstring: without it Grappler elides reduce_to_one's transfers);
+    local(x, floor): the same chain with the all-reduce left out (the local work, timed alone);
+    empty(x, floor): the same call with no chain at all (local - empty: the local work without the per-call
+    overhead, which stays in the figures as before);
+    check(x): one all-reduce, the number of elements that are not n(n+1)/2.
+    """
     n = strategy.num_replicas_in_sync
     expected = float(n * (n + 1) // 2)
     reduce_op = tf.distribute.ReduceOp.SUM
@@ -302,16 +355,31 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
         return distribution.extended.batch_reduce_to(reduce_op, [(value, value)])
 
     @tf.function
-    def timed(x):
-        def replica_fn(x):
+    def timed(x, floor):
+        def replica_fn(x, floor):
             ctx = tf.distribute.get_replica_context()
             for _ in range(iters):  # unrolled: merge_call inside a tf.range loop raises
                 # tf.identity under the replica's device scope: NCCL ops need inputs with a device assignment
                 # (a tf.function's inputs and unpacked outputs have none); it does not copy.
-                x = ctx.merge_call(merge_fn, args=(tf.identity(x),))[0]
+                reduced = ctx.merge_call(merge_fn, args=(tf.identity(x),))[0]
+                # A new buffer on this replica's device from a runtime value: Grappler can neither forward the
+                # first device's copy into the next reduction nor merge the chain (max(v, -inf) == v: sums exact).
+                x = tf.maximum(reduced, floor)
             return x[0]  # one scalar per replica: returning the buffer would time a device-to-host copy
 
-        return strategy.run(replica_fn, args=(x,))
+        return strategy.run(replica_fn, args=(x, floor))
+
+    def local_chain(length):
+        @tf.function
+        def local(x, floor):
+            def replica_fn(x, floor):
+                for _ in range(length):
+                    x = tf.maximum(tf.identity(x), floor)
+                return x[0]
+
+            return strategy.run(replica_fn, args=(x, floor))
+
+        return local
 
     @tf.function
     def check(x):
@@ -322,25 +390,47 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
 
         return strategy.run(replica_fn, args=(x,))
 
+    return timed, local_chain(iters), local_chain(0), check
+
+
+def _worker_inputs(tf, strategy, count: int):
+    """(x, floor): per-replica buffers filled with replica_id + 1, and per-replica -inf scalars."""
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([count], float(ctx.replica_id_in_sync_group + 1)))
+    floor = strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(float("-inf")))
+    return x, floor
+
+
+def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: int, warmup: int,
+           repeats: int) -> dict:
+    """Measure `candidate` at `sizes` in THIS process (call it once per process); returns a JSON-ready dict."""
+    tf, strategy, plan, cpu = _worker_strategy(candidate, target_spec)
+    n = strategy.num_replicas_in_sync
+    timed, local, empty, check = _chains(tf, strategy, iters)
+
     def host_read(value):
         return [v.numpy() for v in strategy.experimental_local_results(value)]
+
+    def per_call_us(fn, *args):
+        for _ in range(max(1, warmup)):  # the first call traces and sets up the communicators
+            host_read(fn(*args))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            host_read(fn(*args))
+        return (time.perf_counter() - start) * 1e6 / repeats
 
     results = []
     for size in sizes:
         count = size // DTYPE_BYTES
         try:
-            x = strategy.experimental_distribute_values_from_function(
-                lambda ctx, count=count: tf.fill([count], float(ctx.replica_id_in_sync_group + 1)))
-            for _ in range(max(1, warmup)):  # the first call traces and sets up the communicators
-                host_read(timed(x))
-            start = time.perf_counter()
-            for _ in range(repeats):
-                host_read(timed(x))
-            seconds = time.perf_counter() - start
+            x, floor = _worker_inputs(tf, strategy, count)
+            raw_us = per_call_us(timed, x, floor) / iters
             wrong = int(sum(host_read(check(x))))
-            results.append({"size_bytes": size, "count": count, "time_us": seconds * 1e6 / (repeats * iters),
-                            "wrong": wrong})
-            del x
+            local_us = max(0.0, per_call_us(local, x, floor) - per_call_us(empty, x, floor)) / iters
+            time_us, capped = subtract_local(raw_us, local_us)
+            results.append({"size_bytes": size, "count": count, "time_us": time_us, "raw_time_us": raw_us,
+                            "local_us": local_us, "local_capped": capped, "wrong": wrong})
+            del x, floor
         except Exception as exc:  # noqa: BLE001 - one failing size (say out of memory) is a row, not a crash
             traceback.print_exc()  # the whole story on the worker's stderr
             results.append({"size_bytes": size, "count": count, "error": short_error(exc)})
@@ -350,6 +440,61 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
         "device_type": "CPU" if cpu else "GPU", "tf_version": tf.__version__, "plan": plan.summary(),
         "iters": iters, "warmup": warmup, "repeats": repeats, "results": results,
     }
+
+
+def cross_device_transfers(run_metadata) -> list[dict]:
+    """Every cross-device receive in the partitioned function graphs of a RunMetadata.
+
+    Returns one dict per _Recv: {"from": device, "to": device, "op": the op type whose output travels ("_Arg" for
+    a function input), "node": that op's name}.
+    """
+    transfers = []
+    for function_graph in run_metadata.function_graphs:
+        nodes = {node.name: node for graph in function_graph.partition_graphs for node in graph.node}
+        sources = {}
+        for node in nodes.values():
+            if node.op in ("_Send", "_HostSend") and node.input:
+                source = nodes.get(node.input[0].lstrip("^").split(":")[0])
+                sources[node.attr["tensor_name"].s] = source
+        for node in nodes.values():
+            if node.op in ("_Recv", "_HostRecv"):
+                source = sources.get(node.attr["tensor_name"].s)
+                transfers.append({"from": node.attr["send_device"].s.decode(),
+                                  "to": node.attr["recv_device"].s.decode(),
+                                  "op": source.op if source is not None else "?",
+                                  "node": source.name if source is not None else "?"})
+    return transfers
+
+
+def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int) -> dict:
+    """What Grappler and the partitioner left of the chains, in THIS process: per function (timed, local), the ops
+    after optimisation by type and the cross-device transfers of computed tensors (function inputs left out)."""
+    tf, strategy, plan, _ = _worker_strategy(candidate, target_spec)
+    from tensorflow.python.eager import context  # noqa: PLC0415 - run metadata is only in the private API
+
+    timed, local, _, _ = _chains(tf, strategy, iters)
+    x, floor = _worker_inputs(tf, strategy, size // DTYPE_BYTES)
+    report = {"ok": True, "candidate": candidate.label, "ops": plan.cross_device_ops,
+              "n_replicas": strategy.num_replicas_in_sync, "iters": iters, "size_bytes": size}
+    for name, fn in (("timed", timed), ("local", local)):
+        context.enable_run_metadata()  # before the first call: the function graphs are recorded as it is built
+        try:
+            [value.numpy() for value in strategy.experimental_local_results(fn(x, floor))]
+            metadata = context.export_run_metadata()
+        finally:
+            context.disable_run_metadata()
+        op_counts: dict[str, int] = {}
+        for function_graph in metadata.function_graphs:
+            for node in function_graph.post_optimization_graph.node:
+                op_counts[node.op] = op_counts.get(node.op, 0) + 1
+        transfers = [t for t in cross_device_transfers(metadata) if t["op"] != "_Arg"]
+        routes: dict[str, int] = {}
+        for t in transfers:
+            route = "->".join(t[end].rsplit("/", 1)[-1].replace("device:", "") for end in ("from", "to"))
+            routes[route] = routes.get(route, 0) + 1
+        report[name] = {"op_counts": op_counts, "transfers": len(transfers), "routes": routes,
+                        "sources": sorted({t["op"] for t in transfers})}
+    return report
 
 
 def short_error(exc: BaseException, limit: int = 400) -> str:
@@ -364,7 +509,11 @@ def _worker_main(args: argparse.Namespace) -> int:
     real_stdout = _silence_stdout()
     try:
         sizes = parse_sizes(args.sizes) if isinstance(args.sizes, str) else list(args.sizes)
-        record = worker(parse_candidate(args.candidate), args.target, sizes, args.iters, args.warmup, args.repeats)
+        if args.inspect:
+            record = inspect_worker(parse_candidate(args.candidate), args.target, sizes[0], args.iters)
+        else:
+            record = worker(parse_candidate(args.candidate), args.target, sizes, args.iters, args.warmup,
+                            args.repeats)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed candidate
         traceback.print_exc()
         record = {"ok": False, "candidate": args.candidate, "error": short_error(exc)}
@@ -424,7 +573,7 @@ def _one_line(error) -> str:
 
 _RECORD_KEYS = ("candidate", "label", "variant", "ops", "num_packs", "n_gpus", "n_replicas", "device_type",
                 "size_bytes", "count", "dtype", "time_us", "algbw", "busbw", "wrong", "status", "error", "env",
-                "iters", "repeats", "tf_version", "plan")
+                "iters", "repeats", "tf_version", "plan", "raw_time_us", "local_us", "local_capped")
 
 
 def _record(**fields) -> dict:
@@ -460,7 +609,8 @@ def to_records(output: dict, candidate: Candidate, target: Target, env: Optional
         records.append(_record(**common, size_bytes=result["size_bytes"], count=result["count"], time_us=time_us,
                                algbw=algbw_gbps(result["size_bytes"], time_us),
                                busbw=busbw_gbps(result["size_bytes"], time_us, n), wrong=wrong,
-                               status="ok" if wrong == 0 else "wrong"))
+                               status="ok" if wrong == 0 else "wrong", raw_time_us=result.get("raw_time_us"),
+                               local_us=result.get("local_us"), local_capped=result.get("local_capped")))
     return records
 
 
@@ -536,10 +686,22 @@ def render_candidate_table(records: Sequence[dict]) -> str:
         lines.append(f"{r['size_bytes']:>12} {r['count']:>12} {'float':>7} {'sum':>6} {r['time_us']:>10.1f} "
                      f"{r['algbw']:>8.2f} {r['busbw']:>8.2f} {r['wrong']:>7}")
     measured = _measured(records)
+    local = [r for r in measured if r.get("local_us") is not None]
+    if local:
+        lines.append(render_local_line(local))
     lines.append(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'WRONG'}")
     if measured:
         lines.append(f"# Avg bus bandwidth    : {sum(r['busbw'] for r in measured) / len(measured):.4f} GB/s")
     return "\n".join(lines)
+
+
+def render_local_line(records: Sequence[dict]) -> str:
+    """The footer line saying how much local work was taken out of each size's time ("capped": the most allowed)."""
+    parts = [f"{format_size(r['size_bytes'])} {r['local_us']:.1f}" + (
+        f" (capped: {r['raw_time_us'] - r['time_us']:.1f} subtracted)" if r.get("local_capped") else "")
+        for r in records]
+    return ("# Local work subtracted: " + ", ".join(parts) + " us per all-reduce (the chain without the all-reduce, "
+            "less an empty call)")
 
 
 def render_summary(records: Sequence[dict]) -> str:
@@ -603,6 +765,10 @@ def render_header(command: str, target: Target, records: Sequence[dict], skipped
         f"# TensorFlow {', '.join(tf_versions) or '?'}; topology fingerprint {target.fingerprint}",
         f"# method: {iters} all-reduces chained in one tf.function (merge_call + extended.batch_reduce_to), "
         f"scalar out; {warmup} warm-up call(s), {repeats} timed call(s); time per all-reduce",
+        "# method: each all-reduce's input is tf.maximum(previous sum, floor) on its replica's device, floor a "
+        "runtime -inf (Grappler can neither elide reduce_to_one's copies nor merge the chain); time = chained time "
+        f"- local work (the same chain without the all-reduce, less the same call with no op; at most "
+        f"{MAX_LOCAL_SHARE:.0%} of the chained time)",
         "# busbw = algbw * 2(n-1)/n; #wrong: after the timed loop replica r sends r+1, every element must be "
         "n(n+1)/2",
     ]
@@ -823,6 +989,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--candidate", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--target", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--inspect", action="store_true", help=argparse.SUPPRESS)  # with --worker: graph counts
     args = parser.parse_args(argv)
     if args.worker:
         return _worker_main(args)
