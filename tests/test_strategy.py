@@ -127,3 +127,17 @@ def test_two_replicas_match_single_device_training_with_the_same_global_batch(ji
     np.testing.assert_allclose(plugin["loss"], single["loss"], rtol=1e-4)
     for a, b in zip(single["weights"], plugin["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_without_nccl_kernels_the_plan_falls_back_and_says_so(tf):
+    from fake_nvml import FakeNvml, h200_x2
+
+    from tf_nvlink import nvml, policy, strategies
+
+    assert strategies.nccl_available() is True  # PyPI's TensorFlow is a CUDA build: NCCL's GPU kernel is there
+    plan = policy.make_plan(nvml.probe(FakeNvml(h200_x2())))
+    assert (plan.cross_device_ops, plan.xla_allreduce) == ("nccl", "fused")
+    degraded, warning = strategies.without_nccl(plan)
+    assert (degraded.cross_device_ops, degraded.num_packs, degraded.xla_allreduce) == ("reduce_to_one", None, "split")
+    assert "no NCCL GPU kernels" in warning and "reduce_to_one instead of nccl" in warning
+    assert degraded.reason.startswith("NCCL kernels missing") and degraded.gpus == plan.gpus

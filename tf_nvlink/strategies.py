@@ -173,6 +173,9 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
         visible = []
     plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce)
     plan = _apply_tuning(plan, topology, ops_name, num_packs)
+    if plan.gpus and not nccl_available():
+        plan, warning = without_nccl(plan)
+        log.warning("tf_nvlink: %s", warning)
     if devices:
         device_names = list(devices)
     elif plan.gpus:
@@ -197,6 +200,31 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     if _XLA_PROBLEM[0]:
         log.warning("tf_nvlink: per-replica XLA unavailable: %s", _XLA_PROBLEM[0])
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def nccl_available() -> bool:
+    """True when this TensorFlow build has NCCL's GPU kernels (CUDA builds do; CPU-only and ROCm ones may not)."""
+    from tensorflow.python.framework import kernels  # noqa: PLC0415
+
+    try:
+        return any(k.device_type == "GPU" for k in kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
+    except Exception:  # noqa: BLE001 - an op TensorFlow does not know at all: no NCCL
+        return False
+
+
+def without_nccl(plan: policy.Plan) -> tuple[policy.Plan, str]:
+    """The plan for a TensorFlow without NCCL kernels, and the one warning line that says so.
+
+    NcclAllReduce becomes ReductionToOneDevice (copies over NVLink/PCIe); the XLA all-reduce stays split,
+    since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
+    """
+    ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
+    warning = (f"this TensorFlow has no NCCL GPU kernels: using {ops} instead of {plan.cross_device_ops}, and "
+               f"jit_compile=True models all-reduce outside XLA (split mode)")
+    return _replace(plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
+                    xla_allreduce="split",
+                    reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
+                           f"{plan.cross_device_ops}: {plan.reason})"), warning
 
 
 def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_packs) -> policy.Plan:
