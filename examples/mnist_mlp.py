@@ -13,17 +13,21 @@ has at least 10 steps (measured: 2 steps per epoch reach only 90-92% test accura
 the start-up lines say so.
 
 <model_dir> gets checkpoints/ (the model after each epoch), backup/ (BackupAndRestore: rerun the same command
-after a crash or kill and training resumes after the last finished epoch; the backup is deleted when training
-ends), model.keras (the final model), and logs/ for TensorBoard if the tensorboard package is installed
-(TensorFlow 2.21 no longer installs it).
+after a crash or kill, even SIGKILL, and training resumes after the last finished epoch; the backup is deleted
+once model.keras is saved), model.keras (the final model), and logs/ for TensorBoard if the tensorboard package
+is installed (TensorFlow 2.21 no longer installs it). Every file is written under a temporary name and renamed
+into place, so a kill at any instant leaves the previous version, never a truncated file.
 """
 
 import importlib.util
+import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from absl import app
 from absl import flags
@@ -38,6 +42,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     import tf_nvlink
 from tf_nvlink import datasets
 from tf_nvlink import policy
+from tf_nvlink import tune
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
 MIN_STEPS_PER_EPOCH = 10  # a small training set is repeated within an epoch to fill at least this many batches
@@ -132,17 +137,138 @@ def build_mlp(learning_rate=1e-3, jit_compile=False):
 
 
 def make_callbacks(model_dir):
-    """BackupAndRestore (resume after a kill), a .keras checkpoint per epoch and, if installed, TensorBoard.
+    """A .keras checkpoint per epoch, the backup to resume from (both written atomically) and, if installed,
+    TensorBoard.
 
-    TensorFlow 2.21 no longer installs TensorBoard: without the `tensorboard` package no logs are written.
+    The checkpoint comes before the backup: the backup is the commit point, so a kill between the two redoes that
+    epoch (and rewrites its checkpoint) rather than leaving a finished epoch without its checkpoint. TensorFlow 2.21
+    no longer installs TensorBoard: without the `tensorboard` package no logs are written.
     """
     callbacks = [
-        keras.callbacks.BackupAndRestore(backup_dir=os.path.join(model_dir, "backup")),
-        keras.callbacks.ModelCheckpoint(os.path.join(model_dir, "checkpoints", "epoch_{epoch:03d}.keras")),
+        EpochCheckpoint(os.path.join(model_dir, "checkpoints")),
+        AtomicBackupAndRestore(backup_dir(model_dir)),
     ]
     if tensorboard_installed():
         callbacks.append(keras.callbacks.TensorBoard(log_dir=os.path.join(model_dir, "logs")))
     return callbacks
+
+
+def backup_dir(model_dir):
+    return os.path.join(model_dir, "backup")
+
+
+def save_atomically(model, path):
+    """model.save(path), written under a temporary name beside it and renamed: a kill leaves the old file or none."""
+    with tune.atomic_path(path, suffix=".keras") as partial:
+        model.save(partial)
+
+
+def _remove_partials(directory):
+    """Temporary files a killed save left behind (tune.atomic_path names them ".<name>.<random>.tmp<suffix>")."""
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            if name.startswith(".") and ".tmp" in name:
+                os.remove(os.path.join(directory, name))
+
+
+class EpochCheckpoint(keras.callbacks.Callback):
+    """<directory>/epoch_NNN.keras after every epoch, like keras.callbacks.ModelCheckpoint, but written atomically."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def on_train_begin(self, logs=None):
+        _remove_partials(self.directory)
+
+    def on_epoch_end(self, epoch, logs=None):
+        os.makedirs(self.directory, exist_ok=True)
+        save_atomically(self.model, os.path.join(self.directory, f"epoch_{epoch + 1:03d}.keras"))
+
+
+class Backup(NamedTuple):
+    """What backup/training_metadata.json says: epochs finished, and the weights file holding their result."""
+
+    epochs_done: int
+    weights: str
+
+
+_BACKUP_WEIGHTS = re.compile(r"epoch_\d+\.weights\.h5|latest\.weights\.h5")
+
+
+def read_backup(directory) -> Optional[Backup]:
+    """The backup in `directory`, None when there is none; ValueError naming the file when it cannot be used.
+
+    The metadata is parsed strictly (no NaN, no duplicate keys, every field checked). Backups written by Keras'
+    own BackupAndRestore ({"epoch": N, "batch": 0} beside latest.weights.h5) are read too.
+    """
+    path = os.path.join(directory, "training_metadata.json")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(1 << 16)
+    except FileNotFoundError:
+        return None
+    try:
+        data = tune.strict_loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
+        epochs_done, weights = data.get("epoch"), data.get("weights", "latest.weights.h5")
+        if isinstance(epochs_done, bool) or not isinstance(epochs_done, int) or epochs_done < 0:
+            raise ValueError(f"'epoch' should be a non-negative integer. Received: {epochs_done!r}")
+        if not isinstance(weights, str) or not _BACKUP_WEIGHTS.fullmatch(weights):
+            raise ValueError(f"'weights' should name a weights file of this backup. Received: {weights!r}")
+        if not os.path.isfile(os.path.join(directory, weights)):
+            raise ValueError(f"the weights file it names, {weights}, is missing")
+    except ValueError as error:
+        raise ValueError(f"{path} cannot be resumed from: {error}. Delete {directory} to start training over."
+                         ) from None
+    return Backup(epochs_done, weights)
+
+
+class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
+    """keras.callbacks.BackupAndRestore whose backup is usable whenever the process dies, even by SIGKILL.
+
+    Keras rewrites backup/latest.weights.h5 and then training_metadata.json in place: a kill during either write
+    leaves a truncated file, and the next run fails to start (json.JSONDecodeError, or OSError from HDF5); a kill
+    between the two pairs one epoch's weights with the previous epoch's count. Here each epoch's weights go to
+    their own file, written under a temporary name and renamed; training_metadata.json, replaced atomically last,
+    names the weights it belongs to; older weights are deleted after. Whenever the process dies, the backup is the
+    last finished epoch. The backup stays after training (main deletes it once model.keras is saved), so a kill
+    between the last epoch and the final save loses nothing either.
+    """
+
+    def __init__(self, directory):
+        super().__init__(backup_dir=directory, save_freq="epoch", delete_checkpoint=False)
+
+    def _load_model(self):
+        backup = read_backup(self.backup_dir)
+        if backup is None:
+            return
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)  # so the optimizer's state loads too
+        self.model.load_weights(os.path.join(self.backup_dir, backup.weights))
+        self.model._initial_epoch = backup.epochs_done  # what keras.callbacks.BackupAndRestore sets
+
+    def _save_model(self):
+        os.makedirs(self.backup_dir, exist_ok=True)
+        weights = f"epoch_{self._current_epoch:04d}.weights.h5"
+        with tune.atomic_path(os.path.join(self.backup_dir, weights), suffix=".weights.h5") as partial:
+            self.model.save_weights(partial)
+        metadata = {"epoch": self._current_epoch, "batch": 0, "weights": weights}
+        tune.write_atomic(self._training_metadata_path, json.dumps(metadata) + "\n", mode=None)
+        for name in os.listdir(self.backup_dir):  # only now: until the rename above, the old pair is the backup
+            if name != weights and (_BACKUP_WEIGHTS.fullmatch(name) or (name.startswith(".") and ".tmp" in name)):
+                os.remove(os.path.join(self.backup_dir, name))
+
+
+def delete_backup(model_dir):
+    """Remove backup/ after the final save: the metadata first, so a kill mid-way never leaves a broken backup."""
+    directory = backup_dir(model_dir)
+    try:
+        os.remove(os.path.join(directory, "training_metadata.json"))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def tensorboard_installed():
@@ -180,7 +306,7 @@ def evaluate_and_save(model, test, x_check, model_dir):
     _, accuracy = model.evaluate(test, verbose=0)
     print(f"test accuracy: {accuracy:.4f}", flush=True)
     path = os.path.join(model_dir, "model.keras")
-    model.save(path)
+    save_atomically(model, path)
     reloaded = keras.models.load_model(path)
     diff = float(np.max(np.abs(model.predict(x_check, verbose=0) - reloaded.predict(x_check, verbose=0))))
     if diff > 1e-4:
@@ -199,10 +325,36 @@ def make_strategy(gpus, cross_device_ops, num_packs):
     return strategy
 
 
+def check_model_dir(model_dir):
+    """Create `model_dir` now, so that an unusable one is a usage error before training, not after an epoch."""
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+    except OSError as error:
+        raise app.UsageError(f"--model_dir={model_dir!r} cannot be used: {error.strerror or error}. Give a "
+                             f"directory this user can create or write to.") from error
+    if not os.access(model_dir, os.W_OK | os.X_OK):
+        raise app.UsageError(f"--model_dir={model_dir!r} is not writable by this user. Give a directory this user "
+                             f"can write to.")
+    try:
+        return read_backup(backup_dir(model_dir))
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
+
+
+def resume_line(model_dir, backup, epochs):
+    """What a rerun after a kill says before training."""
+    where = f"found {os.path.join(model_dir, 'backup')}: resuming"
+    if backup.epochs_done >= epochs:
+        return f"{where}: all {epochs} epochs had finished; evaluating and saving the model"
+    return (f"{where} the interrupted run at epoch {backup.epochs_done + 1}/{epochs} "
+            f"({backup.epochs_done} finished before it stopped)")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     model_dir, global_batch = _MODEL_DIR.value or DEFAULT_MODEL_DIR, _BATCH_SIZE.value
+    backup = check_model_dir(model_dir)
     keras.utils.set_random_seed(_SEED.value)
     strategy = make_strategy(_GPUS.value, _CROSS_DEVICE_OPS.value, _NUM_PACKS.value)
     per_replica = replica_batch(global_batch, strategy.num_replicas_in_sync)
@@ -213,8 +365,8 @@ def main(argv):
           f"{epoch.steps} steps per epoch{epoch.note()}", flush=True)
     logs = "logs/ (TensorBoard)" if tensorboard_installed() else "no TensorBoard logs (pip install tensorboard)"
     print(f"model_dir: {model_dir}: checkpoints/, backup/, {logs}", flush=True)
-    if os.path.exists(os.path.join(model_dir, "backup", "training_metadata.json")):
-        print(f"found {model_dir}/backup: resuming the interrupted run after its last finished epoch", flush=True)
+    if backup is not None:
+        print(resume_line(model_dir, backup, _EPOCHS.value), flush=True)
 
     train, test = make_datasets(data, global_batch, epoch.repeats, epoch.forever, seed=_SEED.value)
     with strategy.scope():
@@ -224,6 +376,7 @@ def main(argv):
               callbacks=make_callbacks(model_dir) + [timer])
     print(throughput_line(timer.seconds, epoch.examples), flush=True)
     evaluate_and_save(model, test, data.x_test[:256], model_dir)
+    delete_backup(model_dir)  # only now: until model.keras exists, a rerun resumes instead of starting over
 
 
 if __name__ == "__main__":

@@ -68,11 +68,13 @@ def load_mnist_or_fallback(name: str = "auto", cache_dir: Optional[str] = None,
         A `Digits` tuple: (x_train, y_train, x_test, y_test, description).
 
     Raises:
-        ValueError: for an unknown `name`.
+        ValueError: for an unknown `name` or a `timeout` that is not a positive number.
         Exception: name="mnist" and MNIST is neither cached nor downloadable (Keras's own error).
     """
     if name not in CHOICES:
         raise ValueError(f"name should be one of {list(CHOICES)}. Received: name={name!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout should be a positive number of seconds. Received: timeout={timeout!r}")
     if name == "digits":
         return load_digits()
     if name == "mnist":

@@ -8,7 +8,9 @@ Every NVML quirk we know of is handled here, so that the rest of tf_nvlink sees 
   `NVML_NVLINK_MAX_LINKS` (36 in current pynvml, 6/12/18 in old headers) is only an upper bound.
 - pynvml's `NVML_P2P_CAPS_INDEX_READ` is the tuple `(0,)`, which ctypes rejects: we pass plain integers.
 - NotSupported from NVLink calls (PCIe-only and consumer GPUs) means "no NVLink", not an error.
-- `nvmlInit` failures become `Topology(error=...)`; every successful `nvmlInit` is paired with `nvmlShutdown`.
+- `nvmlInit` failures (and a missing pynvml) become `Topology(error=...)`; every successful `nvmlInit` is paired
+  with `nvmlShutdown`. Any other call that fails (NotSupported, Unknown, GPU lost, ...) costs that one fact, never
+  the probe: the fact reads N/A (or the GPU is left out) and `Topology.warnings` says which call failed and how.
 
 Example:
     >>> from tf_nvlink import nvml
@@ -46,11 +48,27 @@ NO_NVML_HINT = ("no NVIDIA driver / NVML: {detail}. tf_nvlink needs the NVIDIA d
 
 
 def _load_pynvml():
+    """The pynvml module; RuntimeError naming the fix when it cannot be imported."""
     try:
         import pynvml  # noqa: PLC0415 - imported lazily so `import tf_nvlink` stays cheap
-    except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a hard dependency
-        raise RuntimeError("pynvml is missing: pip install nvidia-ml-py") from exc
+    except ImportError as exc:  # nvidia-ml-py is a dependency, but a broken install must not stop training
+        raise RuntimeError(f"pynvml cannot be imported ({exc}): pip install nvidia-ml-py") from exc
     return pynvml
+
+
+def warnings_line(warnings) -> str:
+    """All of a probe's warnings as one log line: the first in full, then how many more (the report lists all).
+
+    Example:
+        >>> warnings_line(("NVML GPU 0 UUID failed: Unknown Error; shown as N/A",
+        ...                "NVML GPU 1 UUID failed: Unknown Error; shown as N/A"))
+        'NVML GPU 0 UUID failed: Unknown Error; shown as N/A (and 1 more NVML warning: `tf-nvlink report` lists them)'
+    """
+    warnings = list(warnings)
+    if len(warnings) <= 1:
+        return warnings[0] if warnings else ""
+    more = len(warnings) - 1
+    return f"{warnings[0]} (and {more} more NVML warning{'s' if more > 1 else ''}: `tf-nvlink report` lists them)"
 
 
 def _text(value: Any) -> str:
@@ -91,7 +109,10 @@ def probe(nvml: Any = None) -> Topology:
         (['NVIDIA H200', 'NVIDIA H200'], ((0, 1),))
     """
     if nvml is None:
-        nvml = _load_pynvml()
+        try:
+            nvml = _load_pynvml()
+        except RuntimeError as exc:
+            return Topology(error=NO_NVML_HINT.format(detail=str(exc)))
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
@@ -109,7 +130,8 @@ def _probe_initialised(session: _Session) -> Topology:
     nvml = session.nvml
     driver = session.query("driver version", nvml.nvmlSystemGetDriverVersion)
     nvml_version = session.query("NVML version", nvml.nvmlSystemGetNVMLVersion)
-    count = session.query("device count", nvml.nvmlDeviceGetCount) or 0
+    count = session.query("device count", nvml.nvmlDeviceGetCount, quiet_codes=(),
+                          outcome="no GPU listed (tf_nvlink plans as if there were none)") or 0
     handles: dict[int, Any] = {}
     gpus: list[Gpu] = []
     for index in range(count):
@@ -130,8 +152,12 @@ def _probe_initialised(session: _Session) -> Topology:
 
 def _read_gpu(session: _Session, index: int, handle: Any) -> Optional[Gpu]:
     nvml = session.nvml
-    pci = session.query(f"GPU {index} PCI info", nvml.nvmlDeviceGetPciInfo, handle, quiet_codes=())
-    bus_id = PciBusId.try_parse(_text(pci.busId)) if pci is not None else None
+    # TensorFlow's GPUs are matched to NVML's by PCI bus id: a GPU without one cannot be used safely.
+    pci = session.query(f"GPU {index} PCI info", nvml.nvmlDeviceGetPciInfo, handle, quiet_codes=(),
+                        outcome="GPU left out")
+    if pci is None:
+        return None
+    bus_id = PciBusId.try_parse(_text(getattr(pci, "busId", "")))
     if bus_id is None:
         session.warnings.append(f"GPU {index}: NVML gave no PCI bus id; GPU left out")
         return None
