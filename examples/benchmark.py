@@ -21,6 +21,7 @@ try:
 except ImportError:  # run from a source checkout without `pip install .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tf_nvlink import training_bench
+from tf_nvlink import atomic
 
 _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
                            "mlp: the seed 784-256-128-10 MLP (overhead-bound); resnet50: ResNet-50 on 224x224 "
@@ -53,8 +54,7 @@ def main(argv):
                                             cpu_devices=_CPU_DEVICES.value)
     print(training_bench.render_table(results))
     if _JSON.value:
-        with open(_JSON.value, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=1)
+        atomic.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -42,6 +42,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     import tf_nvlink
 from tf_nvlink import datasets
 from tf_nvlink import policy
+from tf_nvlink import atomic
 from tf_nvlink import tune
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
@@ -159,12 +160,12 @@ def backup_dir(model_dir):
 
 def save_atomically(model, path):
     """model.save(path), written under a temporary name beside it and renamed: a kill leaves the old file or none."""
-    with tune.atomic_path(path, suffix=".keras") as partial:
+    with atomic.atomic_path(path, suffix=".keras") as partial:
         model.save(partial)
 
 
 def _remove_partials(directory):
-    """Temporary files a killed save left behind (tune.atomic_path names them ".<name>.<random>.tmp<suffix>")."""
+    """Temporary files a killed save left behind (atomic.atomic_path names them ".<name>.<random>.tmp<suffix>")."""
     if os.path.isdir(directory):
         for name in os.listdir(directory):
             if name.startswith(".") and ".tmp" in name:
@@ -252,10 +253,10 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     def _save_model(self):
         os.makedirs(self.backup_dir, exist_ok=True)
         weights = f"epoch_{self._current_epoch:04d}.weights.h5"
-        with tune.atomic_path(os.path.join(self.backup_dir, weights), suffix=".weights.h5") as partial:
+        with atomic.atomic_path(os.path.join(self.backup_dir, weights), suffix=".weights.h5") as partial:
             self.model.save_weights(partial)
         metadata = {"epoch": self._current_epoch, "batch": 0, "weights": weights}
-        tune.write_atomic(self._training_metadata_path, json.dumps(metadata) + "\n", mode=None)
+        atomic.write_atomic(self._training_metadata_path, json.dumps(metadata) + "\n", mode=None)
         for name in os.listdir(self.backup_dir):  # only now: until the rename above, the old pair is the backup
             if name != weights and (_BACKUP_WEIGHTS.fullmatch(name) or (name.startswith(".") and ".tmp" in name)):
                 os.remove(os.path.join(self.backup_dir, name))

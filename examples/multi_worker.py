@@ -39,6 +39,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     import tf_nvlink
 from tf_nvlink import datasets
 from tf_nvlink import multi_worker
+from tf_nvlink import atomic
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
 
@@ -114,11 +115,13 @@ def save_model(model, strategy, model_dir):
     if strategy.extended.should_checkpoint:
         os.makedirs(model_dir, exist_ok=True)
         path = os.path.join(model_dir, "model.keras")
-        model.save(path)
+        with atomic.atomic_path(path, suffix=".keras") as partial:  # a kill mid-save leaves the old model.keras
+            model.save(partial)
         return path
     scratch = tempfile.mkdtemp(prefix="tf_nvlink_worker_")
     try:
-        model.save(os.path.join(scratch, "model.keras"))
+        with atomic.atomic_path(os.path.join(scratch, "model.keras"), suffix=".keras") as partial:
+            model.save(partial)  # the same collective save as the chief's, into a folder deleted below
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return None

@@ -32,7 +32,7 @@ import pytest
 import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeNvml
-from tf_nvlink import datasets, nvml, policy, tune
+from tf_nvlink import atomic, datasets, nvml, policy, tune
 from tf_nvlink.topology import Topology
 
 MNIST_MLP = str(ROOT / "examples" / "mnist_mlp.py")
@@ -693,7 +693,7 @@ def test_backup_is_consistent_whenever_the_save_is_killed(tmp_path):
 
 def test_write_atomic_keeps_the_old_file_when_killed(tmp_path, monkeypatch):
     path = tmp_path / "results.json"
-    tune.write_atomic(str(path), '{"old": true}\n')
+    atomic.write_atomic(str(path), '{"old": true}\n')
 
     class Killed(BaseException):
         pass
@@ -703,7 +703,7 @@ def test_write_atomic_keeps_the_old_file_when_killed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune.os, "replace", killed)
     with pytest.raises(Killed):
-        tune.write_atomic(str(path), '{"new": true}\n')
+        atomic.write_atomic(str(path), '{"new": true}\n')
     monkeypatch.undo()
     assert path.read_text() == '{"old": true}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # the temporary went too
@@ -715,8 +715,8 @@ def test_file_modes(tmp_path, umask):
     old = os.umask(umask)
     try:
         key = tune.store(_record(), path=str(tmp_path / "cache" / "autotune.json"))
-        tune.write_atomic(str(tmp_path / "shared.json"), "{}\n", mode=None)
-        with tune.atomic_path(str(tmp_path / "model.keras"), suffix=".keras") as partial:
+        atomic.write_atomic(str(tmp_path / "shared.json"), "{}\n", mode=None)
+        with atomic.atomic_path(str(tmp_path / "model.keras"), suffix=".keras") as partial:
             assert partial.endswith(".keras") and Path(partial).name.startswith(".model.keras.")
             Path(partial).write_bytes(b"zip")
     finally:
@@ -744,7 +744,7 @@ WRITE_METHODS = {"save", "save_weights", "savefig", "write_text", "write_bytes",
 WRITE_FUNCTIONS = {"json.dump", "np.save", "np.savez", "np.savez_compressed", "numpy.save", "pickle.dump",
                    "shutil.copy", "shutil.copyfile", "shutil.copy2"}
 # Writes that are not atomic yet, in files this suite's author may not edit: each has a patch in the report
-# (write through tune.write_atomic / tune.atomic_path). A NEW non-atomic write anywhere fails the test.
+# (write through atomic.write_atomic / atomic.atomic_path). A NEW non-atomic write anywhere fails the test.
 PENDING_WRITES = {
     ("tf_nvlink/bench.py", "open"): "--json records",
     ("tf_nvlink/bench.py", "json.dump"): "--json records",
@@ -769,7 +769,7 @@ def _name(node):
 
 
 class _Audit(ast.NodeVisitor):
-    """Shell use, string-built commands, and file writes not inside `with ...atomic_path(...)` (or tune's own
+    """Shell use, string-built commands, and file writes not inside `with ...atomic_path(...)` (or atomic.py's own
     atomic helpers)."""
 
     def __init__(self, relative):
@@ -807,7 +807,7 @@ class _Audit(ast.NodeVisitor):
             kind = name
         elif isinstance(node.func, ast.Attribute) and node.func.attr in WRITE_METHODS:
             kind = node.func.attr
-        atomic_helper = self.relative == "tf_nvlink/tune.py" and self.function in ("write_atomic", "atomic_path")
+        atomic_helper = self.relative == "tf_nvlink/atomic.py" and self.function in ("write_atomic", "atomic_path")
         if kind and not self.atomic_depth and not atomic_helper:
             self.writes.append((self.relative, kind, where))
         self.generic_visit(node)
@@ -832,7 +832,7 @@ def test_no_shell_and_no_string_built_commands(audit):
 def test_every_file_write_is_atomic_or_a_known_pending_patch(audit):
     _, writes = audit
     new = [where for relative, kind, where in writes if (relative, kind) not in PENDING_WRITES]
-    assert new == [], "non-atomic writes; use tune.write_atomic or `with tune.atomic_path(...)`: " + str(new)
+    assert new == [], "non-atomic writes; use atomic.write_atomic or `with atomic.atomic_path(...)`: " + str(new)
     pending = sorted({f"{relative} {kind} ({PENDING_WRITES[relative, kind]})" for relative, kind, _ in writes})
     if pending:
         pytest.skip("pending patches (report), non-atomic writes in files this suite may not edit: "
@@ -849,7 +849,7 @@ def test_the_audit_sees_what_it_looks_for(tmp_path):
             subprocess.run(["ls", cmd])  # fine
             with open(path, "w") as handle:
                 json.dump(data, handle)
-            with tune.atomic_path(path) as partial:
+            with atomic.atomic_path(path) as partial:
                 model.save(partial)  # fine
             open(path)  # a read: fine
         """)

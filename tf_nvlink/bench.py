@@ -62,7 +62,7 @@ import time
 import traceback
 from typing import Callable, Iterable, Optional, Sequence, TextIO
 
-from tf_nvlink import policy
+from tf_nvlink import atomic, policy
 
 HELP = "all-reduce time, algbw and busbw per cross-device-ops candidate, each in its own process (like nccl-tests)"
 
@@ -838,7 +838,8 @@ def plot(records: Sequence[dict], path: str, title: str = "") -> None:
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with atomic.atomic_path(path, suffix=os.path.splitext(path)[1]) as partial:  # the suffix picks the format
+        figure.savefig(partial, dpi=120)
     plt.close(figure)
 
 
@@ -965,8 +966,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_text(command, target, records, skipped, args.iters, args.warmup, args.repeats, env,
                                      args.compare_p2p))
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(records + _skipped_records(skipped, target), handle, indent=1, allow_nan=False)
+            atomic.write_atomic(args.json, json.dumps(records + _skipped_records(skipped, target), indent=1,
+                                                    allow_nan=False), mode=None)
             print(f"# JSON records written to {args.json}")
     if args.plot:
         plot(records, args.plot, title=f"all-reduce busbw, {target.describe().split(';')[0]}")

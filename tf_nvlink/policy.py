@@ -87,12 +87,24 @@ def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int
         (1, 0)
     """
     visible = tuple(topology.indices if visible is None else visible)
+    if isinstance(spec, str) and spec.strip().lower() in ("all", "auto"):
+        return visible if spec.strip().lower() == "all" else auto_gpus(topology, visible)
+    indices = gpu_indices(spec, visible)
+    for index in indices:
+        if index not in visible:
+            hidden = " (hidden from TensorFlow by CUDA_VISIBLE_DEVICES)" if index in topology.indices else ""
+            raise ValueError(f"GPU {index} does not exist on this machine{hidden}; valid GPU indices are "
+                             f"{list(visible)}. Received: gpus={spec!r}")
+    return indices
+
+
+def gpu_indices(spec: GpuSpec, valid: Sequence[int] = ()) -> tuple[int, ...]:
+    """The indices a `gpus` request names, checked for form only (not whether the GPUs exist): non-negative
+    integers, each once, at least one. ValueError names the bad value and `valid` (the machine's indices).
+    "all" and "auto" name no index: they are the caller's to resolve.
+    """
     if isinstance(spec, str):
         text = spec.strip().lower()
-        if text == "all":
-            return visible
-        if text == "auto":
-            return auto_gpus(topology, visible)
         if not text:
             raise ValueError(f"gpus should be 'all', 'auto', or GPU indices such as '0,1'. Received: gpus={spec!r}")
         items: list = [item.strip() for item in text.split(",")]
@@ -104,22 +116,18 @@ def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int
         raise ValueError(f"gpus should be 'all', 'auto', a list of GPU indices or a string such as '0,1'. "
                          f"Received: gpus={spec!r}")
     if not items:
-        raise ValueError(f"gpus should name at least one GPU; this machine has {list(visible)}. "
+        raise ValueError(f"gpus should name at least one GPU; this machine has {list(valid)}. "
                          f"Received: gpus={spec!r}")
-    indices = []
+    indices: list[int] = []
     for item in items:
         if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str)
                                                                    and re.fullmatch(r"\d+", item))):
             raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
-                             f"{list(visible)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
+                             f"{list(valid)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
         index = int(item)
         if index in indices:
             raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Name each of "
-                             f"{list(visible)} at most once. Received: gpus={spec!r}")
-        if index not in visible:
-            hidden = " (hidden from TensorFlow by CUDA_VISIBLE_DEVICES)" if index in topology.indices else ""
-            raise ValueError(f"GPU {index} does not exist on this machine{hidden}; valid GPU indices are "
-                             f"{list(visible)}. Received: gpus={spec!r}")
+                             f"{list(valid)} at most once. Received: gpus={spec!r}")
         indices.append(index)
     return tuple(indices)
 
@@ -162,8 +170,12 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
     on an odd number of GPUs, which silently drops the last replica's gradient).
     """
     validate_ops(cross_device_ops, num_packs)
-    requested = (gpus if isinstance(gpus, (str, int)) else tuple(gpus), cross_device_ops, num_packs)
+    requested = (tuple(gpus) if isinstance(gpus, (list, tuple)) else gpus, cross_device_ops, num_packs)
     if not topology.gpus or (visible is not None and not visible):
+        # No GPU to use: "all", "auto" and indices all mean the CPU (the strategy warns why), but a malformed
+        # request is an error here too, not something that only fails on the GPU machine.
+        if not (isinstance(gpus, str) and gpus.strip().lower() in ("all", "auto")):
+            gpu_indices(gpus)
         chosen: tuple[int, ...] = ()
     else:
         chosen = parse_gpus(gpus, topology, visible)

@@ -160,20 +160,24 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
         raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
                          f"tf.distribute.CrossDeviceOps instance. Received: cross_device_ops={cross_device_ops!r}")
     ops_name = "auto" if ops_instance is not None else cross_device_ops
+    if devices is not None and (isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices
+                                or not all(isinstance(d, str) and d.strip() for d in devices)):
+        raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
+                         f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
     topology = topology if topology is not None else nvml.probe()
-    for warning in topology.warnings:
-        log.warning("tf_nvlink: %s", warning)
+    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
+        log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
     tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
     visible = devices_lib.visible_nvml_indices(topology)
     if topology.gpus and not tf_gpu_count:
-        built_with_cuda = tf.test.is_built_with_cuda()
         log.warning("tf_nvlink: NVML sees %d GPU(s) but TensorFlow sees none (%s); falling back to the CPU.",
-                    len(topology.gpus), "CUDA_VISIBLE_DEVICES hides them" if built_with_cuda
-                    else "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'")
+                    len(topology.gpus), _why_tensorflow_sees_no_gpu(visible))
         visible = []
+    elif topology.error and not tf_gpu_count:
+        log.warning("tf_nvlink: %s", topology.error)  # no driver / NVML: the text ends with the CPU fallback
     plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce)
     plan = _apply_tuning(plan, topology, ops_name, num_packs)
-    if plan.gpus and not nccl_available():
+    if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") and not nccl_available():
         plan, warning = without_nccl(plan)
         log.warning("tf_nvlink: %s", warning)
     if devices:
@@ -183,7 +187,8 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     else:
         if tf_gpu_count and not topology.gpus:
             log.warning("tf_nvlink: TensorFlow sees %d GPU(s) but NVML does not (%s); mirroring over them "
-                        "with TensorFlow's default all-reduce.", tf_gpu_count, topology.error)
+                        "with TensorFlow's default all-reduce.", tf_gpu_count,
+                        topology.error or nvml.warnings_line(topology.warnings) or "NVML lists no GPU")
             device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
             plan = _replace(plan, cross_device_ops="collective", num_packs=None,
                             reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
@@ -200,6 +205,16 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     if _XLA_PROBLEM[0]:
         log.warning("tf_nvlink: per-replica XLA unavailable: %s", _XLA_PROBLEM[0])
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
+    if not tf.test.is_built_with_cuda():
+        return "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'"
+    hidden_by = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden_by is not None and not visible:
+        return f"CUDA_VISIBLE_DEVICES={hidden_by!r} hides them"
+    return ("TensorFlow could not initialise CUDA; its log above says why: with pip, 'tensorflow[and-cuda]' "
+            "installs the CUDA libraries, and the NVIDIA driver must be new enough for them")
 
 
 def nccl_available() -> bool:

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Optional
 
+from tf_nvlink import atomic
+
 MODELS = ("mlp", "resnet50", "convnet")
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
 OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
@@ -232,8 +234,7 @@ def main(argv=None) -> int:
                              args.cpu_devices)
     print(render_table(results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=1)
+        atomic.write_atomic(args.json, json.dumps(results, indent=1), mode=None)
     return 1 if any("error" in r for r in results) else 0
 
 
