@@ -43,6 +43,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 from tf_nvlink import datasets
 from tf_nvlink import policy
 from tf_nvlink import atomic
+from tf_nvlink import models
 from tf_nvlink import tune
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
@@ -117,24 +118,6 @@ def make_datasets(data, global_batch, repeats=1, forever=False, seed=0):
     test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test))
     test = test.batch(global_batch).prefetch(tf.data.AUTOTUNE)
     return train, test
-
-
-def build_mlp(learning_rate=1e-3, jit_compile=False):
-    """The 784-256-128-10 MLP (logits out), compiled with Adam and sparse categorical cross-entropy.
-
-    Call inside `strategy.scope()`: Keras 3 binds the strategy when the variables are created.
-    """
-    model = keras.Sequential([
-        keras.Input(shape=(784,)),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="mnist_mlp")
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-                  jit_compile=jit_compile)
-    return model
 
 
 def make_callbacks(model_dir):
@@ -371,7 +354,7 @@ def main(argv):
 
     train, test = make_datasets(data, global_batch, epoch.repeats, epoch.forever, seed=_SEED.value)
     with strategy.scope():
-        model = build_mlp(jit_compile=_JIT_COMPILE.value)
+        model = models.compiled_mnist_mlp(jit_compile=_JIT_COMPILE.value)
     timer = EpochTimer()
     model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=_STEPS_PER_EPOCH.value, shuffle=False, verbose=2,
               callbacks=make_callbacks(model_dir) + [timer])

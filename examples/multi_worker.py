@@ -40,6 +40,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 from tf_nvlink import datasets
 from tf_nvlink import multi_worker
 from tf_nvlink import atomic
+from tf_nvlink import models
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
 
@@ -72,20 +73,6 @@ def make_strategy(peer_timeout_s):
         sys.exit(f"multi_worker.py: {error}")
     print(strategy.plan.summary(), flush=True)
     return strategy
-
-
-def build_mlp(learning_rate=1e-3):
-    """The seed's 784-256-128-10 MLP (logits out), Adam, sparse categorical cross-entropy. Call in strategy.scope()."""
-    model = keras.Sequential([
-        keras.Input(shape=(784,)),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="mnist_mlp")
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
-    return model
 
 
 def make_datasets(data, global_batch, seed=0):
@@ -144,7 +131,7 @@ def main(argv):
 
     train, test = make_datasets(data, global_batch, seed=_SEED.value)
     with strategy.scope():
-        model = build_mlp()
+        model = models.compiled_mnist_mlp()
     chief = strategy.extended.should_checkpoint
     history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=steps, shuffle=False,
                         verbose=2 if chief else 0)

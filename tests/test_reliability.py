@@ -592,14 +592,14 @@ BACKUP_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, {examples!r})
     import keras, mnist_mlp
-    from tf_nvlink import tune
+    from tf_nvlink import models, tune
 
     backup = {backup!r}
     x = np.random.default_rng(0).random((64, 784)).astype("float32")
     y = np.arange(64) % 10
 
     def model():
-        m = mnist_mlp.build_mlp()
+        m = models.compiled_mnist_mlp()
         m.build((None, 784))
         return m
 

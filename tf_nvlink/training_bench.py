@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Optional
 
-from tf_nvlink import atomic
+from tf_nvlink import atomic, models
 
 MODELS = ("mlp", "resnet50", "convnet")
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
@@ -54,8 +54,7 @@ def parse_candidates(text: str) -> list[str]:
 
 def _build_model(name: str, keras):
     if name == "mlp":
-        return keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
-                                 keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+        return models.mnist_mlp()
     if name == "resnet50":
         return keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000)
     if name == "convnet":  # small enough for CPU tests
