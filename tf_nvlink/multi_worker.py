@@ -37,7 +37,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import policy
+from tf_nvlink import nvml, policy
 from tf_nvlink.topology import Topology
 
 log = logging.getLogger("tf_nvlink")
@@ -593,8 +593,8 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     visible = tuple(devices_lib.visible_nvml_indices(topology)[:local_gpu_count]) if topology.gpus else ()
     options, reason = communication_options(topology, local_gpu_count, visible if topology.gpus else None)
     implementation = options.implementation.name
-    for warning in topology.warnings:
-        log.warning("tf_nvlink: %s", warning)
+    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
+        log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
     log.info("tf_nvlink: %s of %d workers at %s waits up to %g s for its peers", cluster.task,
              cluster.worker_count, cluster.address, peer_timeout_s)
     peer_seconds = wait_for_peers(cluster, peer_timeout_s)
