@@ -8,6 +8,7 @@ TensorFlow fixes its device list at first use and tolerates one MirroredStrategy
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fake_nvml.py
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Never read or write the user's autotune cache: a stored winner there would change what "auto" picks.
+os.environ["TF_NVLINK_CACHE_DIR"] = tempfile.mkdtemp(prefix="tf_nvlink_test_cache_")
 N_LOGICAL_CPUS = 4
 
 

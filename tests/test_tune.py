@@ -282,3 +282,20 @@ def test_tune_end_to_end_on_cpu(cache):
     with contextlib.redirect_stdout(listing):
         assert tune.run(parser.parse_args(["--list"])) == 0
     assert "(1 entry)" in listing.getvalue() and stored["candidate"] in listing.getvalue()
+
+
+def test_report_and_auto_plan_show_a_stored_winner():
+    """What `tf-nvlink report` says "auto" picks is what tf_nvlink.strategy() picks: the stored winner."""
+    from tf_nvlink import policy, report
+
+    topo = h200()
+    before = report.collect(topology=topo, with_tf=False)["plan"]
+    assert (before["cross_device_ops"], before["num_packs"]) == ("nccl", 1)
+    tune.store(record(fingerprint=topo.fingerprint(), tf_version=tune._tf_version(), ops="hierarchical", packs=2))
+    after = report.collect(topology=topo, with_tf=False)["plan"]
+    assert (after["cross_device_ops"], after["num_packs"]) == ("hierarchical", 2)
+    assert after["reason"].startswith("autotuned on this machine: hierarchical:2")
+    plan = tune.with_stored_choice(policy.make_plan(topo), topo)
+    assert (plan.cross_device_ops, plan.num_packs, plan.xla_allreduce) == ("hierarchical", 2, "fused")
+    single = policy.make_plan(topo, gpus="0")
+    assert tune.with_stored_choice(single, topo) is single

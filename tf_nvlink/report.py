@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
-from tf_nvlink import devices, policy
+from tf_nvlink import devices, policy, tune
 from tf_nvlink.nvml import probe as nvml_probe
 from tf_nvlink.topology import RemoteType, Topology
 
@@ -110,7 +110,8 @@ def _plan_record(plan: Any) -> dict:
 
 def _make_plan(topology: Topology, gpus: str, visible: list[int]) -> dict:
     try:
-        return _plan_record(policy.make_plan(topology, gpus, "auto", visible=visible))
+        plan = policy.make_plan(topology, gpus, "auto", visible=visible)
+        return _plan_record(tune.with_stored_choice(plan, topology))  # as tf_nvlink.strategy() would
     except ValueError as exc:  # not expected for "all"/"auto", but a report must not die on it
         return {"requested": [gpus, "auto", None], "error": str(exc)}
 

@@ -249,11 +249,9 @@ def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_pack
     from tf_nvlink import tune  # noqa: PLC0415 - only multi-GPU plans need it
 
     # Before devices_lib.tf_gpus(): measuring runs in worker processes that need the GPUs' memory.
-    choice = tune.autotune_choice(topology, plan.gpus) if ops_name == "autotune" else tune.stored_choice(
-        topology, plan.gpus)
-    if choice is None:
-        return plan
-    ops, packs, reason = choice
+    if ops_name == "auto":
+        return tune.with_stored_choice(plan, topology)
+    ops, packs, reason = tune.autotune_choice(topology, plan.gpus)
     return _replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason)
 
 

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import logging
 import math
@@ -393,12 +394,31 @@ def _package_version() -> str:
 def _tf_version() -> str:
     """TensorFlow's version as the workers report it (imports TensorFlow unless already imported)."""
     module = sys.modules.get("tensorflow")
-    if module is None:
-        import tensorflow as module  # noqa: PLC0415
-    return module.__version__
+    if module is not None:
+        return module.__version__
+    try:  # the installed version without importing TensorFlow (keeps `tf-nvlink report --no-tf` instant)
+        return importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        import tensorflow as module  # noqa: PLC0415 - a TensorFlow installed under another distribution name
+        return module.__version__
 
 
 # ------------------------------------------------------------------------------ for policy / strategies
+def with_stored_choice(plan, topology, path: Optional[str] = None):
+    """`plan` with a stored tune winner for its GPUs swapped in, if there is one (what cross_device_ops="auto"
+    does, and what the report shows). Plans of fewer than 2 GPUs come back unchanged.
+
+    Example:
+        >>> with_stored_choice(policy.make_plan(topo), topo).reason
+        'autotuned on this machine: nccl:4 measured fastest ...'
+    """
+    choice = stored_choice(topology, plan.gpus, path=path) if len(plan.gpus) > 1 else None
+    if choice is None:
+        return plan
+    ops, packs, reason = choice
+    return dataclasses.replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason)
+
+
 def stored_choice(topology, gpus: Sequence[int], tf_version: Optional[str] = None,
                   path: Optional[str] = None) -> Optional[tuple[str, Optional[int], str]]:
     """The stored tune winner for these GPUs on this machine, as (cross_device_ops, num_packs, reason); or None.
