@@ -234,8 +234,9 @@ def without_nccl(plan: policy.Plan) -> tuple[policy.Plan, str]:
     since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
     """
     ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
-    warning = (f"this TensorFlow has no NCCL GPU kernels: using {ops} instead of {plan.cross_device_ops}, and "
-               f"jit_compile=True models all-reduce outside XLA (split mode)")
+    change = f"using {ops} instead of {plan.cross_device_ops}" if ops != plan.cross_device_ops else f"keeping {ops}"
+    warning = (f"this TensorFlow has no NCCL GPU kernels: {change}, and jit_compile=True models all-reduce "
+               f"outside XLA (split mode)")
     return _replace(plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
                     xla_allreduce="split",
                     reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
