@@ -221,6 +221,17 @@ DGX1_EDGES = {(0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, 
               (3, 7): 1, (4, 5): 1, (4, 6): 1, (4, 7): 2, (5, 6): 2, (5, 7): 1, (6, 7): 2}
 
 
+# What `nvidia-smi topo -m` prints for a DGX-1V: the NVLink cells the probe and the report must reproduce.
+DGX1_TOPO_MATRIX = ("X   NV1 NV1 NV2 NV2 SYS SYS SYS",
+                    "NV1 X   NV2 NV1 SYS NV2 SYS SYS",
+                    "NV1 NV2 X   NV2 SYS SYS NV1 SYS",
+                    "NV2 NV1 NV2 X   SYS SYS SYS NV1",
+                    "NV2 SYS SYS SYS X   NV1 NV1 NV2",
+                    "SYS NV2 SYS SYS NV1 X   NV2 NV1",
+                    "SYS SYS NV1 SYS NV1 NV2 X   NV2",
+                    "SYS SYS SYS NV1 NV2 NV1 NV2 X")
+
+
 def dgx1_v100_x8() -> FakeMachine:
     buses = [0x06, 0x07, 0x0A, 0x0B, 0x85, 0x86, 0x89, 0x8A]
     links: dict[int, list[FakeLink]] = {i: [] for i in range(8)}

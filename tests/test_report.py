@@ -40,14 +40,7 @@ EXPECTED = {
         auto="[0, 1, 2, 3, 4, 5, 6, 7] (nvswitch, 478 GB/s per direction over NVLink) -> nccl, num_packs=1 "
              "(the same)"),
     "dgx1_v100_x8": dict(
-        matrix=_rows("X   NV1 NV1 NV2 NV2 SYS SYS SYS",
-                     "NV1 X   NV2 NV1 SYS NV2 SYS SYS",
-                     "NV1 NV2 X   NV2 SYS SYS NV1 SYS",
-                     "NV2 NV1 NV2 X   SYS SYS SYS NV1",
-                     "NV2 SYS SYS SYS X   NV1 NV1 NV2",
-                     "SYS NV2 SYS SYS NV1 X   NV2 NV1",
-                     "SYS SYS NV1 SYS NV1 NV2 X   NV2",
-                     "SYS SYS SYS NV1 NV2 NV1 NV2 X"),
+        matrix=_rows(*fake_nvml.DGX1_TOPO_MATRIX),
         gpu0=["6", "2.0", "25.781", "154.7", "GPU1 x1, GPU2 x1, GPU3 x2, GPU4 x2"],
         connected="no (12 of 28 GPU pairs have no NVLink: GPU0-GPU5, GPU0-GPU6, GPU0-GPU7, ...)",
         plan_gpus="[0, 1, 2, 3, 4, 5, 6, 7] (nvlink-partial)", ops="hierarchical, num_packs=1",
