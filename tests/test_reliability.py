@@ -592,7 +592,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, {examples!r})
     import keras, mnist_mlp
-    from tf_nvlink import models, tune
+    from tf_nvlink import callbacks, models, tune
 
     backup = {backup!r}
     x = np.random.default_rng(0).random((64, 784)).astype("float32")
@@ -610,13 +610,13 @@ BACKUP_SCRIPT = textwrap.dedent("""
         pass
 
     def resume():
-        fresh, callback = model(), mnist_mlp.AtomicBackupAndRestore(backup)
+        fresh, callback = model(), callbacks.AtomicBackupAndRestore(backup)
         callback.set_model(fresh)
         callback.on_train_begin()
         return fresh
 
     first = model()
-    first.fit(x, y, epochs=1, verbose=0, callbacks=[mnist_mlp.AtomicBackupAndRestore(backup)])
+    first.fit(x, y, epochs=1, verbose=0, callbacks=[callbacks.AtomicBackupAndRestore(backup)])
     after_1 = weights(first)
     first.fit(x, y, epochs=1, verbose=0)  # epoch 2's weights, not yet backed up
     after_2 = weights(first)
@@ -632,7 +632,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
                 raise Killed()
             return real_replace(src, dst)
         tune.os.replace = replace
-        callback = mnist_mlp.AtomicBackupAndRestore(backup)
+        callback = callbacks.AtomicBackupAndRestore(backup)
         callback.set_model(first)
         callback._current_epoch = 2
         unlink = os.unlink
@@ -654,7 +654,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
     with open(os.path.join(backup, "training_metadata.json"), "w") as f:
         f.write('{{"epoch": 2, "batch": 0, "weig')  # what Keras' own callback leaves after a kill mid-write
     try:
-        mnist_mlp.read_backup(backup)
+        callbacks.read_backup(backup)
         out["torn"] = "read?!"
     except ValueError as error:
         out["torn"] = str(error)
@@ -664,7 +664,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
         with open(os.path.join(backup, "training_metadata.json"), "w") as f:
             f.write(text)
         try:
-            mnist_mlp.read_backup(backup)
+            callbacks.read_backup(backup)
             out[text] = "read?!"
         except ValueError as error:
             out[text] = str(error)
