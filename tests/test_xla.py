@@ -8,6 +8,8 @@ tests show it is the plugin's mechanism that fixes it.
 import inspect
 import json
 
+import numpy as np
+
 
 from conftest import run_python
 
@@ -151,3 +153,45 @@ def test_keras_internals_the_hook_relies_on():
     assert "Disable XLA with tf.distribute" in inspect.getsource(xla._ORIGINALS.get(
         "_resolve_auto_jit_compile", TensorFlowTrainer._resolve_auto_jit_compile))
     assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
+
+
+def test_fused_mode_semantics_match_single_device_training():
+    """Fused mode's logic without XLA itself (XLA on CPU cannot compile collectives): TensorFlow's no-merge_call
+    path, which it takes under XLA on GPUs, is switched on for CPU replicas, and the per-replica functions are
+    built exactly as in fused mode but without jit. Gradients all-reduced in replica context, the optimizer
+    applied per replica, and the replica-local `iterations` counters must reproduce single-device training."""
+    script = _PRELUDE + r"""
+mode = sys.argv[1]
+if mode == "fused":
+    from tensorflow.python.distribute import mirrored_strategy
+    import dataclasses
+    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False  # as under XLA on all-GPU replicas
+    xla.fused_allreduce_possible = lambda strategy: True
+    def compiled_without_jit(self, replica_id):
+        with self._lock:
+            if replica_id not in self._compiled:
+                fn = self._fused_body() if self.kind == "train" else self.step_function
+                self._compiled[replica_id] = tf.function(fn, autograph=False)
+            return self._compiled[replica_id]
+    xla.PerReplicaXlaStep._compiled_for = compiled_without_jit
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], cross_device_ops="collective")
+    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+else:
+    strategy = tf.distribute.get_strategy()
+with strategy.scope():
+    model = build(); compile_(model, jit=(mode == "fused"))
+history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+counter = model.optimizer.iterations.value
+print(json.dumps({"loss": history.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
+                  "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}))
+"""
+    results = {}
+    for mode in ("single", "fused"):
+        proc = run_python(["-c", script, mode], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    single, fused = results["single"], results["fused"]
+    assert fused["iterations"] == [12, 12] and single["iterations"] == [12]  # 128 / 32 x 3 epochs, every replica
+    np.testing.assert_allclose(fused["loss"], single["loss"], rtol=1e-5)
+    for a, b in zip(single["weights"], fused["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
