@@ -462,3 +462,11 @@ def test_real_tensorflow_report_does_not_crash():
 
 def test_module_entry_point_exists():
     assert callable(cli.main) and sys.modules["tf_nvlink.__main__"] is cli
+
+
+@pytest.mark.parametrize("machine, mode", [("h200_x2", "(fused)"), ("pcie_x4", "(fused)"), ("no_driver", "(split)")])
+def test_plan_section_says_how_xla_models_all_reduce(machine, mode):
+    text = report.render_text(report.collect(topology=nvml.probe(FakeNvml(fake_nvml.MACHINES[machine]())),
+                                             with_tf=False))
+    xla_line = next(line for line in text.splitlines() if line.startswith("  XLA "))
+    assert xla_line.endswith(mode) and "jit_compile=True models" in xla_line

@@ -319,6 +319,12 @@ def _render_tf(data: dict) -> str:
     return "\n".join(lines)
 
 
+_XLA_MODES = {
+    "fused": "jit_compile=True models: the whole step per GPU in XLA, gradient all-reduce inside XLA (fused)",
+    "split": "jit_compile=True models: XLA gradients per replica, all-reduce through the ops above (split)",
+}
+
+
 def _render_plans(data: dict) -> str:
     plan, auto = data["plan"], data["auto_plan"]
     requested = plan.get("requested") or ["all", "auto", None]
@@ -329,6 +335,7 @@ def _render_plans(data: dict) -> str:
         lines += [f"  GPUs       {_plan_where(plan)}",
                   f"  ops        {_plan_ops(plan)}" + (f" ({plan['tensorflow_class']})"
                                                        if plan.get("tensorflow_class") else ""),
+                  f"  XLA        {_XLA_MODES.get(plan.get('xla_allreduce'), plan.get('xla_allreduce'))}",
                   f"  reason     {plan['reason']}"]
     if auto.get("error"):
         lines.append(f"gpus='auto' would fail: {auto['error']}")
