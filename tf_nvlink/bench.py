@@ -56,13 +56,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 import traceback
 from typing import Callable, Iterable, Optional, Sequence, TextIO
 
-from tf_nvlink import atomic, policy
+from tf_nvlink import atomic, policy, workers
 
 HELP = "all-reduce time, algbw and busbw per cross-device-ops candidate, each in its own process (like nccl-tests)"
 
@@ -77,7 +76,6 @@ MAX_PACKS = 64
 MAX_LOCAL_SHARE = 0.5
 P2P_ENV = {"NCCL_P2P_DISABLE": "1"}
 P2P_VARIANT = "nop2p"  # the label suffix tf_nvlink.training_bench uses for NCCL_P2P_DISABLE=1 runs
-_RESULT_PREFIX = "{"
 
 
 class BenchError(ValueError):
@@ -533,10 +531,7 @@ def worker_command(candidate: Candidate, target: Target, sizes: Sequence[int], i
 
 def worker_env(target: Target, extra: Optional[dict] = None) -> dict[str, str]:
     """The worker's environment: ours, tf_nvlink importable, TensorFlow's C++ chatter down, plus `extra`."""
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env = workers.package_env()
     if target.device_type == "CPU":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run must not initialise (or hold memory on) any GPU
     env.update(extra or {})
@@ -547,22 +542,9 @@ def spawn_worker(candidate: Candidate, target: Target, sizes: Sequence[int], ite
                  repeats: int, env: Optional[dict] = None, timeout: float = 1800) -> dict:
     """Run one worker process and return its JSON record ({"ok": False, "error": ...} when it failed)."""
     command = worker_command(candidate, target, sizes, iters, warmup, repeats)
-    try:
-        proc = subprocess.run(command, env=worker_env(target, env), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "candidate": candidate.label, "error": f"worker timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_RESULT_PREFIX):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "ok" in record:
-                return record
-    tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
-    return {"ok": False, "candidate": candidate.label,
-            "error": f"worker exited with status {proc.returncode} without a result: {tail}"[:1000]}
+    record, error = workers.run_json_worker(command, worker_env(target, env), timeout,
+                                            accept=lambda output: "ok" in output)
+    return record if record is not None else {"ok": False, "candidate": candidate.label, "error": error[:1000]}
 
 
 def _one_line(error) -> str:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -257,6 +258,4 @@ def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_pack
 
 
 def _replace(plan: policy.Plan, **changes) -> policy.Plan:
-    import dataclasses  # noqa: PLC0415
-
     return dataclasses.replace(plan, **changes)

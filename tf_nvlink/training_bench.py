@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Optional
 
-from tf_nvlink import atomic, models
+from tf_nvlink import atomic, models, workers
 
 MODELS = ("mlp", "resnet50", "convnet")
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
@@ -143,21 +142,15 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
     mixed = (model_name == "resnet50") if mixed_precision is None else mixed_precision
     results = []
     for candidate in candidates:
-        env = dict(os.environ)
-        if "@nop2p" in candidate:
-            env["NCCL_P2P_DISABLE"] = "1"
+        env = workers.package_env({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else None)
         args = [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
                 "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
                 "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
                 "--cpu_devices", str(cpu_devices)]
         started = time.perf_counter()
-        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode == 0 and lines:
-            record = json.loads(lines[-1])
-        else:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            record = {"model": model_name, "candidate": candidate, "error": " | ".join(tail)}
+        record, error = workers.run_json_worker(args, env, timeout, accept=lambda r: "examples_per_s" in r)
+        if record is None:
+            record = {"model": model_name, "candidate": candidate, "error": error}
         record["wall_s"] = round(time.perf_counter() - started, 1)
         results.append(record)
         print(f"  {candidate}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
