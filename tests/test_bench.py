@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,9 +56,11 @@ class TestParsing:
         assert [bench.format_size(s) for s in bench.DEFAULT_SIZES] == ["1M", "4M", "16M", "64M", "256M", "1G"]
 
     def test_candidates(self):
-        parsed = bench.parse_candidates("collective, nccl,nccl:4,hierarchical,reduce_to_one,auto,nccl:1")
+        parsed = bench.parse_candidates("collective, nccl,nccl:4,hierarchical,reduce_to_one,auto,nccl:1,XLA")
         assert [c.label for c in parsed] == ["collective", "nccl:1", "nccl:4", "hierarchical:1", "reduce_to_one",
-                                             "auto"]
+                                             "auto", "xla"]
+        with pytest.raises(bench.BenchError, match="takes no PACKS"):
+            bench.parse_candidate("xla:2")
 
     @pytest.mark.parametrize("text,match", [("nccl,bogus", "unknown candidate 'bogus'"),
                                             ("reduce_to_one:2", "takes no PACKS"),
@@ -66,7 +69,7 @@ class TestParsing:
         with pytest.raises(bench.BenchError, match=match) as info:
             bench.parse_candidates(text)
         if "unknown" in match:
-            for name in ("collective", "nccl[:PACKS]", "hierarchical[:PACKS]", "reduce_to_one", "auto"):
+            for name in ("collective", "nccl[:PACKS]", "hierarchical[:PACKS]", "reduce_to_one", "auto", "xla"):
                 assert name in str(info.value)
 
     def test_env(self):
@@ -160,6 +163,16 @@ class TestTargets:
         reasons = dict(skipped)
         assert reasons["nccl:1"] == reasons["nccl:4"] == "NCCL does not run on CPU devices"
         assert "needs GPUs" in reasons["hierarchical:1"]
+        assert "all-GPU replicas" in reasons["xla"] and "merge_call" in reasons["xla"]
+
+    def test_xla_runs_on_gpus_and_says_what_it_measures(self):
+        runs, skipped = bench.plan_runs([bench.parse_candidate("xla")], bench.Target("GPU", 2, (0, 1)))
+        assert [c.label for c in runs] == ["xla"] and not skipped
+        output = {"ok": True, "ops": "xla", "num_packs": None, "n_replicas": 2, "n_gpus": 2, "tf_version": "2.21.0",
+                  "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": 1000.0, "wrong": 0}]}
+        records = bench.to_records(output, bench.parse_candidate("xla"), bench.Target("GPU", 2, (0, 1)))
+        assert records[0]["label"] == "xla" and records[0]["busbw"] == pytest.approx(2**28 / 1e6)
+        assert "one XLA program per replica" in bench.render_candidate_table(records)
 
     def test_hierarchical_needs_an_even_gpu_count(self):
         candidates = bench.parse_candidates("hierarchical,nccl")
@@ -359,3 +372,39 @@ def test_multiline_worker_errors_become_one_line():
     [failed] = bench.to_records({"ok": False, "error": error}, bench.Candidate("nccl", 1), CPU2)
     assert failed["error"] == "ValueError: Device assignment required for nccl collective ops"
     assert bench.short_error(ValueError("in user code:\n  File x\n  ValueError: boom")) == "ValueError: boom"
+
+
+class TestFromJson:
+    """`--from_json`: the summary and plot of records written elsewhere (a GPU machine without matplotlib)."""
+
+    @staticmethod
+    def write_records(path):
+        target = bench.Target("GPU", 2, (0, 1))
+        records = []
+        for variant, time_us in (("", 1000.0), (bench.P2P_VARIANT, 8000.0)):
+            output = {"ok": True, "ops": "nccl", "num_packs": 1, "n_replicas": 2, "n_gpus": 2,
+                      "tf_version": "2.21.0",
+                      "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": time_us, "wrong": 0}]}
+            records += bench.to_records(output, bench.parse_candidate("nccl"), target, variant=variant)
+        records += bench._skipped_records([("hierarchical:1", "odd")], target)
+        path.write_text(json.dumps(records))
+        return path
+
+    def test_summary_and_nvlink_ratio_without_measuring(self, tmp_path):
+        code, out, _ = run_main(["--from_json", str(self.write_records(tmp_path / "r.json"))])
+        assert code == 0 and "busbw (GB/s) by size" in out and "268.44" in out
+        assert re.search(r"256M\s+8\.00x", out) and "Result: OK" in out
+
+    @pytest.mark.parametrize("content, match", [("not json", "cannot be read as JSON"),
+                                                ('[{"label": "x"}]', "not a list of tf-nvlink bench records")])
+    def test_bad_file_is_a_clear_error(self, tmp_path, content, match):
+        path = tmp_path / "bad.json"
+        path.write_text(content)
+        code, _, err = run_main(["--from_json", str(path)])
+        assert code == 2 and match in err
+
+    @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib not installed (pip install tf-nvlink[plot])")
+    def test_plot(self, tmp_path):
+        png = tmp_path / "r.png"
+        code, out, _ = run_main(["--from_json", str(self.write_records(tmp_path / "r.json")), "--plot", str(png)])
+        assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -131,5 +131,5 @@ def test_allreduce_sums_exact_for_every_candidate():
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout[proc.stdout.index("["):])
     ran = {r["candidate"] for r in records if r["status"] == "ok"}
-    assert {"collective", "nccl", "reduce_to_one", "auto"} <= ran
+    assert {"collective", "nccl", "reduce_to_one", "auto", "xla"} <= ran
     assert all(r["wrong"] == 0 for r in records if r["status"] == "ok")

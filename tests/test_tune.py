@@ -225,6 +225,11 @@ class TestScoring:
                       spawn=fake_spawn({"collective": [1.0]}, wrong_for={"collective"}))
         assert not os.path.exists(tune.cache_path())
 
+    def test_xla_is_not_a_cross_device_ops_choice(self):
+        with pytest.raises(bench.BenchError, match="'xla' is the all-reduce jit_compile=True models use"):
+            tune.tune(topology=h200(), candidates="nccl,xla", sizes="1M", progress=None, store_result=False,
+                      spawn=fake_spawn({"nccl:1": [1.0], "xla": [2.0]}))
+
     def test_one_device_is_refused(self):
         with pytest.raises(bench.BenchError, match="at least 2 devices"):
             tune.tune(devices="cpu:1", progress=None, spawn=fake_spawn({}))

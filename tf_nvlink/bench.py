@@ -35,8 +35,11 @@ because TensorFlow tolerates one MirroredStrategy per process. Inside a worker, 
 algbw = bytes / time; busbw = algbw * 2(n-1)/n (nccl-tests' all-reduce factor), in GB/s (1e9 bytes/s).
 
 Candidates: "collective" (TensorFlow's default CollectiveAllReduce), "nccl[:PACKS]" (NcclAllReduce packing the
-buffer into PACKS all-reduces), "hierarchical[:PACKS]" (GPUs, even count only), "reduce_to_one", and "auto"
-(what tf_nvlink.strategy() picks, shown with what it resolved to). `--devices cpu:N` runs over N logical CPU
+buffer into PACKS all-reduces), "hierarchical[:PACKS]" (GPUs, even count only), "reduce_to_one", "auto"
+(what tf_nvlink.strategy() picks, shown with what it resolved to), and "xla" (GPUs only: the chain is one
+jit_compile=True function per replica and each all-reduce is `replica_ctx.all_reduce`, which TensorFlow compiles
+into the XLA program without merge_call; this is how jit_compile=True models all-reduce in tf_nvlink's fused mode,
+where the plan's cross-device ops are not used). `--devices cpu:N` runs over N logical CPU
 devices (tests, machines without GPUs), where the GPU-only candidates are skipped with the reason.
 
 Example:
@@ -67,8 +70,11 @@ HELP = "all-reduce time, algbw and busbw per cross-device-ops candidate, each in
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 DEFAULT_SIZES = tuple(MIB * 4**i for i in range(6))  # 1, 4, 16, 64, 256, 1024 MiB
-CANDIDATE_NAMES = ("collective", "nccl", "hierarchical", "reduce_to_one", "auto")
-DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one,auto"
+CANDIDATE_NAMES = ("collective", "nccl", "hierarchical", "reduce_to_one", "auto", "xla")
+DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one,auto,xla"
+# What the "xla" candidate measures: the all-reduce a jit_compile=True model does in fused mode (tf_nvlink.xla).
+XLA_DOC = ("CollectiveAllReduce compiled into one XLA program per replica (replica_ctx.all_reduce, no merge_call: "
+           "what jit_compile=True models all-reduce with in tf_nvlink's fused mode)")
 DTYPE_BYTES = 4  # float32
 MAX_PACKS = 64
 # The local-work correction may remove at most this share of the chained time (so it at most doubles algbw): at
@@ -135,7 +141,7 @@ class Candidate:
 def parse_candidate(text: str) -> Candidate:
     """"nccl:4" -> Candidate("nccl", 4); "nccl" -> Candidate("nccl", 1) (packs default to 1, like the policy)."""
     name, _, packs_text = str(text).strip().lower().partition(":")
-    valid = ("valid candidates: collective, nccl[:PACKS], hierarchical[:PACKS], reduce_to_one, auto "
+    valid = ("valid candidates: collective, nccl[:PACKS], hierarchical[:PACKS], reduce_to_one, auto, xla "
              f"(PACKS 0-{MAX_PACKS}: the buffer is split into that many all-reduces; 1 by default)")
     if name not in CANDIDATE_NAMES:
         raise BenchError(f"unknown candidate {text.strip()!r}; {valid}. Received: {text!r}")
@@ -244,6 +250,9 @@ def resolve_target(devices: str = "gpu", gpus="all", topology=None) -> Target:
 def skip_reason(candidate: Candidate, target: Target) -> Optional[str]:
     """Why `candidate` cannot run (or would measure something else) on `target`; None when it can."""
     if target.device_type == "CPU":
+        if candidate.name == "xla":
+            return ("the all-reduce inside XLA needs all-GPU replicas: on CPU devices TensorFlow keeps merge_call, "
+                    "which an XLA program cannot hold")
         if candidate.name == "nccl":
             return "NCCL does not run on CPU devices"
         if candidate.name == "hierarchical":
@@ -323,7 +332,8 @@ def _worker_strategy(candidate: Candidate, target_spec: str):
     from tf_nvlink import strategies  # noqa: PLC0415
     from tf_nvlink.topology import Topology  # noqa: PLC0415
 
-    ops = "auto" if candidate.name == "auto" else candidate.name
+    # "xla": TensorFlow uses its CollectiveAllReduce under XLA whatever the strategy was given; ask for it.
+    ops = {"auto": "auto", "xla": "collective"}.get(candidate.name, candidate.name)
     if cpu:
         strategy = strategies.strategy(
             cross_device_ops=ops, num_packs=candidate.num_packs,
@@ -335,7 +345,7 @@ def _worker_strategy(candidate: Candidate, target_spec: str):
     return tf, strategy, strategies.current_plan(), bool(cpu)
 
 
-def _chains(tf, strategy, iters: int):
+def _chains(tf, strategy, iters: int, xla: bool = False):
     """The worker's tf.functions: (timed, local, empty, check).
 
     timed(x, floor): `iters` chained all-reduces, each input a fresh `tf.maximum(previous sum, floor)` on its
@@ -344,6 +354,9 @@ def _chains(tf, strategy, iters: int):
     empty(x, floor): the same call with no chain at all (local - empty: the local work without the per-call
     overhead, which stays in the figures as before);
     check(x): one all-reduce, the number of elements that are not n(n+1)/2.
+    With `xla`, every replica function is jit-compiled (one XLA program per replica, tf_nvlink's strategy run
+    gives each replica its own copy) and all-reduces with `replica_ctx.all_reduce`, which TensorFlow compiles into
+    the program on all-GPU replicas.
     """
     n = strategy.num_replicas_in_sync
     expected = float(n * (n + 1) // 2)
@@ -352,41 +365,52 @@ def _chains(tf, strategy, iters: int):
     def merge_fn(distribution, value):
         return distribution.extended.batch_reduce_to(reduce_op, [(value, value)])
 
+    def all_reduce(x):
+        ctx = tf.distribute.get_replica_context()
+        if xla:
+            return ctx.all_reduce(reduce_op, x)
+        # tf.identity under the replica's device scope: NCCL ops need inputs with a device assignment (a
+        # tf.function's inputs and unpacked outputs have none); it does not copy.
+        return ctx.merge_call(merge_fn, args=(tf.identity(x),))[0]
+
+    def per_replica(fn):
+        return tf.function(fn, jit_compile=True) if xla else fn
+
+    def chain(x, floor):
+        for _ in range(iters):  # unrolled: merge_call inside a tf.range loop raises
+            # A new buffer on this replica's device from a runtime value: Grappler can neither forward the
+            # first device's copy into the next reduction nor merge the chain (max(v, -inf) == v: sums exact).
+            x = tf.maximum(all_reduce(x), floor)
+        return x[0]  # one scalar per replica: returning the buffer would time a device-to-host copy
+
+    chain_fn = per_replica(chain)
+
     @tf.function
     def timed(x, floor):
-        def replica_fn(x, floor):
-            ctx = tf.distribute.get_replica_context()
-            for _ in range(iters):  # unrolled: merge_call inside a tf.range loop raises
-                # tf.identity under the replica's device scope: NCCL ops need inputs with a device assignment
-                # (a tf.function's inputs and unpacked outputs have none); it does not copy.
-                reduced = ctx.merge_call(merge_fn, args=(tf.identity(x),))[0]
-                # A new buffer on this replica's device from a runtime value: Grappler can neither forward the
-                # first device's copy into the next reduction nor merge the chain (max(v, -inf) == v: sums exact).
-                x = tf.maximum(reduced, floor)
-            return x[0]  # one scalar per replica: returning the buffer would time a device-to-host copy
-
-        return strategy.run(replica_fn, args=(x, floor))
+        return strategy.run(chain_fn, args=(x, floor))
 
     def local_chain(length):
+        def replica_fn(x, floor):
+            for _ in range(length):
+                x = tf.maximum(tf.identity(x), floor)
+            return x[0]
+
+        replica_fn = per_replica(replica_fn)
+
         @tf.function
         def local(x, floor):
-            def replica_fn(x, floor):
-                for _ in range(length):
-                    x = tf.maximum(tf.identity(x), floor)
-                return x[0]
-
             return strategy.run(replica_fn, args=(x, floor))
 
         return local
 
+    def count_wrong(x):
+        return tf.math.count_nonzero(tf.not_equal(all_reduce(x), expected))
+
+    count_fn = per_replica(count_wrong)
+
     @tf.function
     def check(x):
-        def replica_fn(x):
-            ctx = tf.distribute.get_replica_context()
-            y = ctx.merge_call(merge_fn, args=(tf.identity(x),))[0]
-            return tf.math.count_nonzero(tf.not_equal(y, expected))
-
-        return strategy.run(replica_fn, args=(x,))
+        return strategy.run(count_fn, args=(x,))
 
     return timed, local_chain(iters), local_chain(0), check
 
@@ -404,7 +428,8 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
     """Measure `candidate` at `sizes` in THIS process (call it once per process); returns a JSON-ready dict."""
     tf, strategy, plan, cpu = _worker_strategy(candidate, target_spec)
     n = strategy.num_replicas_in_sync
-    timed, local, empty, check = _chains(tf, strategy, iters)
+    xla = candidate.name == "xla"
+    timed, local, empty, check = _chains(tf, strategy, iters, xla=xla)
 
     def host_read(value):
         return [v.numpy() for v in strategy.experimental_local_results(value)]
@@ -433,7 +458,8 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
             traceback.print_exc()  # the whole story on the worker's stderr
             results.append({"size_bytes": size, "count": count, "error": short_error(exc)})
     return {
-        "ok": True, "candidate": candidate.label, "ops": plan.cross_device_ops, "num_packs": plan.num_packs,
+        "ok": True, "candidate": candidate.label, "ops": "xla" if xla else plan.cross_device_ops,
+        "num_packs": None if xla else plan.num_packs,
         "n_replicas": n, "n_gpus": len(plan.gpus), "gpus": list(plan.gpus), "devices": list(plan.devices),
         "device_type": "CPU" if cpu else "GPU", "tf_version": tf.__version__, "plan": plan.summary(),
         "iters": iters, "warmup": warmup, "repeats": repeats, "results": results,
@@ -470,7 +496,7 @@ def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int
     tf, strategy, plan, _ = _worker_strategy(candidate, target_spec)
     from tensorflow.python.eager import context  # noqa: PLC0415 - run metadata is only in the private API
 
-    timed, local, _, _ = _chains(tf, strategy, iters)
+    timed, local, _, _ = _chains(tf, strategy, iters, xla=candidate.name == "xla")
     x, floor = _worker_inputs(tf, strategy, size // DTYPE_BYTES)
     report = {"ok": True, "candidate": candidate.label, "ops": plan.cross_device_ops,
               "n_replicas": strategy.num_replicas_in_sync, "iters": iters, "size_bytes": size}
@@ -647,7 +673,7 @@ def average_busbw(records: Iterable[dict]) -> dict[str, float]:
 def render_candidate_table(records: Sequence[dict]) -> str:
     """One candidate's rows: a names row, a units row, sizes, and the nccl-tests footer."""
     first = records[0]
-    ops_doc = policy.OPS.get(first["ops"] or "", first["ops"] or "?")
+    ops_doc = XLA_DOC if first["ops"] == "xla" else policy.OPS.get(first["ops"] or "", first["ops"] or "?")
     if first["ops"] == "collective" and first["device_type"] == "CPU":
         ops_doc = "CollectiveAllReduce (TensorFlow's MirroredStrategy default; RING on CPU devices)"
     head = f"# {first['label']}: {ops_doc}"
@@ -806,9 +832,12 @@ def plot(records: Sequence[dict], path: str, title: str = "") -> None:
 
     measured = _measured(records)
     figure, axes = plt.subplots(figsize=(8, 5))
+    # One colour per candidate; its variant (e.g. @nop2p) dashed in the same colour, so pairs read at a glance.
+    colours = {c: f"C{i % 10}" for i, c in enumerate(dict.fromkeys(r["candidate"] for r in measured))}
     for label in _labels(measured):
         rows = sorted((r for r in measured if r["label"] == label), key=lambda r: r["size_bytes"])
-        axes.plot([r["size_bytes"] for r in rows], [r["busbw"] for r in rows], marker="o", label=label)
+        axes.plot([r["size_bytes"] for r in rows], [r["busbw"] for r in rows], marker="o", label=label,
+                  color=colours[rows[0]["candidate"]], linestyle="--" if rows[0]["variant"] else "-")
     sizes = sorted({r["size_bytes"] for r in measured})
     axes.set_xscale("log", base=2)
     if sizes:
@@ -859,7 +888,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_candidates: st
                         help="'gpu' (default: the GPUs --gpus names) or 'cpu:N' (N logical CPU devices, for "
                              "machines without GPUs and tests)")
     parser.add_argument("--candidates", type=_argtype(parse_candidates), default=default_candidates,
-                        help=f"comma list from collective, nccl[:PACKS], hierarchical[:PACKS], reduce_to_one, auto "
+                        help=f"comma list from collective, nccl[:PACKS], hierarchical[:PACKS], reduce_to_one, auto, xla "
                              f"(default {default_candidates})")
     parser.add_argument("--sizes", type=_argtype(parse_sizes), default=default_sizes,
                         help="comma list of all-reduce sizes with K/M/G suffixes (binary), default "
@@ -887,6 +916,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="plot busbw against size, one line per candidate (needs matplotlib: "
                              "pip install tf-nvlink[plot])")
+    parser.add_argument("--from_json", "--from-json", dest="from_json", default=None, metavar="FILE",
+                        help="measure nothing: print the summary (and --plot) from records an earlier --json FILE "
+                             "wrote, e.g. on a machine with matplotlib")
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -913,8 +945,44 @@ def _listify(value, parse):
     return parse(value) if isinstance(value, str) else list(value)
 
 
+def load_records(path: str) -> list[dict]:
+    """The records a `--json FILE` run wrote, checked enough to render; BenchError naming the problem otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--from_json {path!r} cannot be read as JSON: {exc}") from None
+    needed = ("label", "candidate", "variant", "size_bytes", "status", "busbw", "wrong")
+    if not isinstance(records, list) or not all(isinstance(r, dict) and all(k in r for k in needed)
+                                                for r in records):
+        raise BenchError(f"--from_json {path!r} is not a list of tf-nvlink bench records (each with "
+                         f"{', '.join(needed)}): write one with tf-nvlink bench --json FILE")
+    return [r for r in records if r["status"] != "skipped"]
+
+
+def run_from_json(args: argparse.Namespace) -> int:
+    """`tf-nvlink bench --from_json FILE [--plot P.png]`: the summary (and plot) of earlier records."""
+    try:
+        records = load_records(args.from_json)
+        if args.plot:
+            check_plot_available()
+    except BenchError as exc:
+        return _error(args, str(exc))
+    blocks = [f"# tf-nvlink bench: records from {args.from_json}", render_summary(records)]
+    if any(r["variant"] == P2P_VARIANT for r in records):
+        blocks.append(render_p2p_ratio(records))
+    blocks.append(result_line(records))
+    sys.stdout.write("\n#\n".join(blocks) + "\n")
+    if args.plot:
+        plot(records, args.plot, title=f"all-reduce busbw ({os.path.basename(args.from_json)})")
+        print(f"# plot written to {args.plot}")
+    return exit_code(records)
+
+
 def run(args: argparse.Namespace) -> int:
     """`tf-nvlink bench`: measure, print the tables (or JSON), write --json/--plot files; 1 on wrong sums."""
+    if getattr(args, "from_json", None):
+        return run_from_json(args)
     try:
         candidates = _listify(args.candidates, parse_candidates)
         sizes = _listify(args.sizes, parse_sizes)

@@ -48,6 +48,7 @@ CACHE_FILE = "autotune.json"
 FORMAT_VERSION = 1
 DEFAULT_SIZES = (16 * bench.MIB, 256 * bench.MIB)
 DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one"
+NOT_CROSS_DEVICE_OPS = ("xla",)  # bench candidates that are not a cross_device_ops choice tune could store
 MAX_CACHE_BYTES = 4 * bench.MIB
 METRIC = "geometric mean over sizes of busbw (GB/s)"
 GpuSet = Union[Sequence[int], str]  # NVML indices, or "cpu:N" for logical CPU devices
@@ -355,6 +356,12 @@ def tune(gpus="all", sizes=None, grad_bytes: Optional[int] = None, *, candidates
     chosen_sizes = tuning_sizes(sizes, grad_bytes)
     chosen = bench.parse_candidates(candidates or DEFAULT_CANDIDATES) if candidates is None or isinstance(
         candidates, str) else [c if isinstance(c, bench.Candidate) else bench.parse_candidate(c) for c in candidates]
+    not_ops = [c.label for c in chosen if c.name in NOT_CROSS_DEVICE_OPS]
+    if not_ops:
+        raise bench.BenchError(
+            f"tune picks cross_device_ops, and {', '.join(not_ops)} is not one: 'xla' is the all-reduce "
+            f"jit_compile=True models use whatever the ops (measure it with tf-nvlink bench). Valid candidates: "
+            f"collective, nccl[:PACKS], hierarchical[:PACKS], reduce_to_one, auto.")
     records, skipped = bench.measure(chosen, target, chosen_sizes, iters=iters, warmup=warmup, repeats=repeats,
                                      env=env, timeout=timeout, progress=progress, spawn=spawn)
     scores, disqualified = score_candidates(records, chosen_sizes)
