@@ -10,6 +10,7 @@ from tf_nvlink import training_bench
     ("1gpu,auto", ["1gpu", "auto"]),
     ("nccl@nop2p, auto@split", ["nccl@nop2p", "auto@split"]),
     ("auto@nop2p@fused", ["auto@nop2p@fused"]),
+    ("workers,workers@nop2p", ["workers", "workers@nop2p"]),
 ])
 def test_parse_candidates(text, expected):
     assert training_bench.parse_candidates(text) == expected
@@ -19,6 +20,31 @@ def test_parse_candidates(text, expected):
 def test_parse_candidates_rejects_unknown_names_listing_valid_ones(text):
     with pytest.raises(ValueError, match="reduce_to_one"):
         training_bench.parse_candidates(text)
+
+
+@pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split"])
+def test_xla_modes_only_for_tf_nvlink_single_process_strategies(text):
+    with pytest.raises(ValueError, match="only '@nop2p' applies"):
+        training_bench.parse_candidates(text)
+
+
+def test_workers_candidate_needs_two_gpus_without_cpu_workers(monkeypatch):
+    from tf_nvlink import nvml
+    from tf_nvlink.topology import Topology
+
+    assert training_bench.worker_layout(cpu_devices=3) == ["", "", ""]
+    monkeypatch.setattr(nvml, "probe", lambda: Topology(error="NVML Shared Library Not Found"))
+    with pytest.raises(ValueError, match="needs 2 or more GPUs.*--cpu_devices"):
+        training_bench.worker_layout()
+
+
+def test_workers_candidate_trains_on_two_cpu_workers_in_lockstep():
+    """Two MultiWorkerMirroredStrategy processes on localhost, started and reaped together."""
+    records = training_bench.run_candidates("convnet", ["workers"], steps=2, jit=False, cpu_devices=2, timeout=240)
+    record = records[0]
+    assert "error" not in record, record.get("error")
+    assert record["workers"] == 2 and record["replicas"] == 2 and len(record["worker_step_ms"]) == 2
+    assert record["examples_per_s"] > 0 and "MultiWorkerMirroredStrategy, 2 workers" in record["plan"]
 
 
 def test_table_ratios_scaling_and_nvlink_speedup():
@@ -35,6 +61,16 @@ def test_table_ratios_scaling_and_nvlink_speedup():
     assert auto_row.split()[-3:] == ["1.80", "0.90", "4.50"]  # vs 1 GPU, scaling, vs stock
     assert "NVLink speed-up for auto: 1.20x" in table
     assert "nccl" in table and "FAILED: boom" in table and "# tf_nvlink plan: X" in table
+    assert "run-to-run noise" not in table
+
+
+def test_table_says_ops_do_not_matter_under_fused_xla():
+    rows = [{"candidate": name, "replicas": 2, "jit_compile": True, "step_ms": 3.0, "examples_per_s": eps,
+             "xla_allreduce": "fused"} for name, eps in (("auto", 690e3), ("hierarchical", 868e3))]
+    rows.append({"candidate": "nccl@split", "replicas": 2, "jit_compile": True, "step_ms": 3.0,
+                 "examples_per_s": 600e3, "xla_allreduce": "split"})
+    line = next(x for x in training_bench.render_table(rows).splitlines() if "noise" in x)
+    assert line.startswith("# auto, hierarchical: the all-reduce ran inside XLA") and "nccl@split" not in line
 
 
 def test_benchmark_example_runs_candidates_in_their_own_processes(tmp_path):

@@ -7,7 +7,10 @@ data already on the device, so the figures measure the step, not the input pipel
 - `stock`: `tf.distribute.MirroredStrategy()` exactly as TensorFlow gives it (Keras turns XLA off under it);
 - `auto`: `tf_nvlink.strategy()` with the policy's choice; `collective`, `nccl`, `reduce_to_one`,
   `hierarchical`: `tf_nvlink.strategy(cross_device_ops=...)`; `NAME@nop2p`: the same with `NCCL_P2P_DISABLE=1`
-  (NCCL moves data through host memory, as on a PCIe-only machine).
+  (NCCL moves data through host memory, as on a PCIe-only machine);
+- `workers`: the multi-worker runtime on this host, one worker process per GPU (CUDA_VISIBLE_DEVICES) with a
+  localhost TF_CONFIG, so `tf_nvlink.strategy()` gives a MultiWorkerMirroredStrategy (NCCL between the
+  processes); with `--cpu_devices N`, N CPU-only workers (tests). The chief's figures are reported.
 
 Example:
     $ python -m tf_nvlink.training_bench --model resnet50 --candidates 1gpu,stock,auto --jit
@@ -26,7 +29,7 @@ from tf_nvlink import atomic, models, workers
 MODELS = ("mlp", "resnet50", "convnet")
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
 OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
-CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES
+CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES + ("workers",)
 
 
 SUFFIXES = ("nop2p", "split", "fused")
@@ -47,6 +50,10 @@ def parse_candidates(text: str) -> list[str]:
                 suffixes) or {"split", "fused"} <= set(suffixes):
             raise ValueError(f"Unknown candidate {name!r}; valid: {list(CANDIDATES)}, each optionally with "
                              f"'@nop2p' (NCCL_P2P_DISABLE=1) and '@split' or '@fused' (XLA all-reduce mode). "
+                             f"Received: {text!r}")
+        if base in ("1gpu", "stock", "workers") and {"split", "fused"} & set(suffixes):
+            raise ValueError(f"Candidate {name!r}: '@split' and '@fused' are tf_nvlink's XLA modes of a "
+                             f"single-process strategy; {base!r} has none (only '@nop2p' applies). "
                              f"Received: {text!r}")
     return names
 
@@ -72,20 +79,24 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
     import numpy as np
     import tensorflow as tf
 
-    if cpu_devices:
+    import tf_nvlink
+
+    ops = candidate.split("@")[0]
+    if ops == "workers":  # MultiWorkerMirroredStrategy (TF_CONFIG): first, before any TensorFlow op runs
+        strategy = tf_nvlink.strategy()
+    if cpu_devices and ops != "workers":
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
     import keras
 
-    import tf_nvlink
-
     if mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    ops = candidate.split("@")[0]
     device_kind = "CPU" if cpu_devices else "GPU"
     devices = [d.name for d in tf.config.list_logical_devices(device_kind)]
     plan = None
-    if ops == "1gpu":
+    if ops == "workers":
+        plan = strategy.plan
+    elif ops == "1gpu":
         strategy = tf.distribute.get_strategy()  # no strategy at all: the plain single-device path
     elif ops == "stock":
         strategy = tf.distribute.MirroredStrategy(devices)
@@ -129,6 +140,8 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         "examples_per_s": global_batch * steps / seconds, "gradient_tensors": gradient_tensors,
         "gradient_mib": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20,
         "plan": plan.summary() if plan else None, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
+        # "fused": the gradient all-reduce ran inside XLA, where TensorFlow uses its collective whatever the ops
+        "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
     }
 
 
@@ -148,7 +161,10 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
                 "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
                 "--cpu_devices", str(cpu_devices)]
         started = time.perf_counter()
-        record, error = workers.run_json_worker(args, env, timeout, accept=lambda r: "examples_per_s" in r)
+        if candidate.split("@")[0] == "workers":
+            record, error = _run_workers(args, env, cpu_devices, timeout)
+        else:
+            record, error = workers.run_json_worker(args, env, timeout, accept=lambda r: "examples_per_s" in r)
         if record is None:
             record = {"model": model_name, "candidate": candidate, "error": error}
         record["wall_s"] = round(time.perf_counter() - started, 1)
@@ -156,6 +172,41 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
         print(f"  {candidate}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
                                     else "FAILED: " + record["error"]), file=sys.stderr, flush=True)
     return results
+
+
+def worker_layout(cpu_devices: int = 0) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each worker of the `workers` candidate: one GPU each, or "" (CPU) per CPU worker."""
+    if cpu_devices:
+        return [""] * cpu_devices
+    from tf_nvlink import devices, nvml  # noqa: PLC0415
+
+    visible = devices.visible_nvml_indices(nvml.probe())
+    if len(visible) < 2:
+        raise ValueError(f"the 'workers' candidate needs 2 or more GPUs (one worker each); NVML shows "
+                         f"{len(visible)} here. Use --cpu_devices N for N CPU-only workers.")
+    return [str(i) for i in visible]
+
+
+def _run_workers(args: list[str], env: dict, cpu_devices: int, timeout: int) -> tuple[Optional[dict], str]:
+    """The `workers` candidate: one process per GPU (or CPU worker) on localhost, started together; the chief's
+    record, with every worker's step time."""
+    try:
+        layout = worker_layout(cpu_devices)
+    except ValueError as exc:
+        return None, str(exc)
+    ports = workers.free_ports(len(layout))
+    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    args = [a if i == 0 or args[i - 1] != "--cpu_devices" else "0" for i, a in enumerate(args)]  # 1 device each
+    envs = [dict(env, CUDA_VISIBLE_DEVICES=visible, CUDA_DEVICE_ORDER="PCI_BUS_ID",  # NVML's order
+                 TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
+            for i, visible in enumerate(layout)]
+    outcomes = workers.run_json_workers([args] * len(layout), envs, timeout, accept=lambda r: "examples_per_s" in r)
+    errors = [f"worker {i}: {error}" for i, (record, error) in enumerate(outcomes) if record is None]
+    if errors:
+        return None, "; ".join(errors)
+    record = dict(outcomes[0][0], workers=len(layout),
+                  worker_step_ms=[round(r["step_ms"], 2) for r, _ in outcomes])
+    return record, ""
 
 
 def _ratio(value: Optional[float]) -> str:
@@ -187,6 +238,11 @@ def render_table(results: list[dict]) -> str:
             lines.append(f"# NVLink speed-up for {base}: {ok[base]['examples_per_s'] / record['examples_per_s']:.2f}x "
                          f"({ok[base]['examples_per_s']:.0f} vs {record['examples_per_s']:.0f} examples/s with "
                          f"NCCL_P2P_DISABLE=1)")
+    fused = [r["candidate"] for r in results if "error" not in r and r.get("xla_allreduce") == "fused"]
+    if len({name.split("@")[0] for name in fused}) > 1:
+        lines.append(f"# {', '.join(fused)}: the all-reduce ran inside XLA (fused mode), where TensorFlow uses its "
+                     f"collective whatever the candidate's ops, so these rows differ by run-to-run noise only; "
+                     f"compare ops with NAME@split or --nojit")
     plans = sorted({r["plan"] for r in results if r.get("plan")})
     lines += [f"# {p}" for p in plans]
     return "\n".join(lines)

@@ -32,13 +32,83 @@ def run_json_worker(command: Sequence[str], env: dict, timeout: float,
         proc = subprocess.run(list(command), env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, f"worker timed out after {timeout:.0f} s"
-    for line in reversed(proc.stdout.splitlines()):
+    record = _last_json(proc.stdout, accept)
+    if record is not None:
+        return record, ""
+    tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
+    return None, f"worker exited with status {proc.returncode} without a result: {tail}"
+
+
+def free_ports(n: int, host: str = "localhost") -> list[int]:
+    """`n` distinct TCP ports free on `host` right now (held open together, so they differ), for TF_CONFIG."""
+    import socket  # noqa: PLC0415
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def run_json_workers(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float,
+                     accept: Callable[[dict], bool] = lambda record: True) -> list[tuple[Optional[dict], str]]:
+    """Start every command at once (processes that must meet, like the workers of one cluster) and wait for all.
+
+    Returns (record, error) per command as `run_json_worker` does. When one fails or the time is up, the others
+    are killed at once (a lone worker would wait for its peers until its own timeout), so none outlives this call.
+    """
+    import time  # noqa: PLC0415
+
+    procs = [subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command, env in zip(commands, envs)]
+    outputs: list[Optional[tuple[str, str]]] = [None] * len(procs)
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        pending = set(range(len(procs)))
+        while pending:
+            for i in sorted(pending):
+                try:
+                    outputs[i] = procs[i].communicate(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    continue
+                pending.discard(i)
+                if procs[i].returncode != 0:  # the others cannot finish without it
+                    for j in pending:
+                        procs[j].kill()
+            if pending and time.monotonic() > deadline:
+                timed_out = True
+                for j in pending:
+                    procs[j].kill()
+    finally:
+        for i, proc in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+            if outputs[i] is None:
+                outputs[i] = proc.communicate()
+    results = []
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        record = _last_json(stdout, accept)
+        if record is not None:
+            results.append((record, ""))
+        elif timed_out and proc.returncode and proc.returncode < 0:
+            results.append((None, f"worker timed out after {timeout:.0f} s"))
+        else:
+            tail = " | ".join((stderr or stdout or "").strip().splitlines()[-3:])
+            results.append((None, f"worker exited with status {proc.returncode} without a result: {tail}"))
+    return results
+
+
+def _last_json(stdout: str, accept: Callable[[dict], bool]) -> Optional[dict]:
+    for line in reversed((stdout or "").splitlines()):
         if line.startswith("{"):
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
             if isinstance(record, dict) and accept(record):
-                return record, ""
-    tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
-    return None, f"worker exited with status {proc.returncode} without a result: {tail}"
+                return record
+    return None
