@@ -364,3 +364,14 @@ def test_two_workers_train_the_mlp_in_sync(tmp_path, jobs):
     assert f"saved {model_dir}/model.keras" in outputs[0]  # the chief (or worker 0) keeps the model
     assert "not the chief: saved to a temporary directory, deleted" in outputs[1]
     assert [p.name for p in model_dir.iterdir()] == ["model.keras"]
+
+
+@pytest.mark.parametrize("workers, environ, expected", [
+    (["localhost:1", "127.0.0.1:2"], {}, {"NCCL_SOCKET_IFNAME": "lo"}),
+    (["[::1]:1", "localhost:2"], {}, {"NCCL_SOCKET_IFNAME": "lo"}),
+    (["localhost:1", "localhost:2"], {"NCCL_SOCKET_IFNAME": "eth0"}, {}),  # the user's choice stays
+    (["localhost:1", "host2:2"], {}, {}),  # several hosts: NCCL picks the network interface
+])
+def test_nccl_bootstraps_over_loopback_when_the_whole_cluster_is_local(workers, environ, expected):
+    cluster = multi_worker.parse_tf_config(tf_config(cluster={"worker": workers}))
+    assert multi_worker.loopback_nccl_env(cluster, environ=environ) == expected

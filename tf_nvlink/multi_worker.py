@@ -31,6 +31,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 import socket
 import time
@@ -277,6 +278,31 @@ def _address_key(address, where: str) -> tuple[str, int]:
     if host in ("localhost", "::1", "0:0:0:0:0:0:0:1") or host.startswith("127."):
         host = "localhost"  # the same sockets: a duplicate in disguise
     return host, port
+
+
+def _is_loopback(address: str) -> bool:
+    return _address_key(address, "cluster")[0] == "localhost"
+
+
+def loopback_nccl_env(cluster: ClusterConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """{"NCCL_SOCKET_IFNAME": "lo"} when every worker's address is loopback and NCCL_SOCKET_IFNAME is unset, else {}.
+
+    Why: NCCL's bootstrap does not use TF_CONFIG's addresses; it picks a network interface by itself and has
+    the workers connect to that interface's address. On hosts whose first interface is not reachable from the
+    host itself (seen on the lent 2x H200 machine: "socketPollConnect: connect to 192.0.2.2<49843> returned
+    Connection refused" from ncclCommInitRankConfig), workers on one host then fail at their first all-reduce.
+    When the whole cluster is localhost, the loopback interface is the right one. Workers on several hosts keep
+    NCCL's own choice (set NCCL_SOCKET_IFNAME to your network interface where it picks a wrong one).
+
+    Example:
+        >>> loopback_nccl_env(parse_tf_config('{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
+        ...                                    '"task": {"type": "worker", "index": 0}}'), environ={})
+        {'NCCL_SOCKET_IFNAME': 'lo'}
+    """
+    environ = os.environ if environ is None else environ
+    if "NCCL_SOCKET_IFNAME" in environ or not all(_is_loopback(address) for _, address in cluster.members):
+        return {}
+    return {"NCCL_SOCKET_IFNAME": "lo"}
 
 
 def _json_type(value) -> str:
@@ -547,6 +573,12 @@ def strategy_class():
             shape = getattr(value, "shape", None)
             if axis is not None and shape is not None and shape.rank == 0:
                 axis = None  # one number per replica: the reduction is across replicas
+            local = self.experimental_local_results(value)
+            if local and getattr(local[0], "dtype", None) == tf.int32:
+                # GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
+                # DEVICE_GPU", int32 lives in host memory there): Keras reduces the integer labels of a batch.
+                wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
+                return tf.cast(super().reduce(reduce_op, wide, axis), tf.int32)
             return super().reduce(reduce_op, value, axis)
 
     return NVLinkMultiWorkerMirroredStrategy
@@ -593,6 +625,11 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     visible = tuple(devices_lib.visible_nvml_indices(topology)[:local_gpu_count]) if topology.gpus else ()
     options, reason = communication_options(topology, local_gpu_count, visible if topology.gpus else None)
     implementation = options.implementation.name
+    nccl_env = loopback_nccl_env(cluster) if implementation == "NCCL" else {}
+    if nccl_env:  # NCCL reads it when its communicators start, at the first all-reduce: after this point is fine
+        os.environ.update(nccl_env)
+        reason += "; every worker is on this host, so NCCL bootstraps over the loopback interface " + " ".join(
+            f"({key}={value})" for key, value in nccl_env.items())
     if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
         log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
     log.info("tf_nvlink: %s of %d workers at %s waits up to %g s for its peers", cluster.task,
