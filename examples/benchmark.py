@@ -27,9 +27,10 @@ _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
                            "mlp: the seed 784-256-128-10 MLP (overhead-bound); resnet50: ResNet-50 on 224x224 "
                            "synthetic images with mixed_bfloat16 (compute-heavy); convnet: a tiny CPU-friendly net.")
 _CANDIDATES = flags.DEFINE_string(
-    "candidates", ",".join(training_bench.CANDIDATES),
+    "candidates", ",".join(c for c in training_bench.CANDIDATES if c != "workers"),
     "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
-    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p, @split or @fused.")
+    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p, @split or @fused. "
+    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p only).")
 _BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
                               lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)

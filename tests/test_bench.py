@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -408,3 +409,16 @@ class TestFromJson:
         png = tmp_path / "r.png"
         code, out, _ = run_main(["--from_json", str(self.write_records(tmp_path / "r.json")), "--plot", str(png)])
         assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_exact_sum_check_accepts_the_recorded_h200_run():
+    """The GPU test's expectations hold for a real run (benchmarks/results, 2x H200): label names, sizes, sums."""
+    from test_gpu import check_allreduce_records
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results",
+                        "2026-11-30b_h200x2_allreduce.json")
+    with open(path) as f:
+        records = json.load(f)
+    check_allreduce_records(records, [2**20, 2**24, 2**28, 2**30])
+    with pytest.raises(AssertionError):
+        check_allreduce_records([r for r in records if r["candidate"] != "xla"], [2**20])
