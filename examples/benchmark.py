@@ -39,6 +39,8 @@ _NVLINK_OFF = flags.DEFINE_bool("nvlink_off", False, "Also run tf_nvlink's plan 
                                 "what NVLink buys on this machine.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Run over N logical CPU devices instead of GPUs (machines "
                                     "without GPUs, tests). 0: GPUs.", lower_bound=0)
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Run the candidate list this many times, interleaved, and report each "
+                               "candidate's median (these machines are noisy: 3 is a good start).", lower_bound=1)
 _JSON = flags.DEFINE_string("json", "", "Write the records to this JSON file.")
 
 
@@ -52,7 +54,7 @@ def main(argv):
         candidates.append("auto@nop2p")
     print("# " + " ".join(sys.argv), flush=True)
     results = training_bench.run_candidates(_MODEL.value, candidates, _BATCH.value, _STEPS.value, _JIT.value,
-                                            cpu_devices=_CPU_DEVICES.value)
+                                            cpu_devices=_CPU_DEVICES.value, rounds=_ROUNDS.value)
     print(training_bench.render_table(results))
     if _JSON.value:
         atomic.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)

@@ -89,3 +89,27 @@ def test_benchmark_example_runs_candidates_in_their_own_processes(tmp_path):
 def test_benchmark_example_rejects_bad_candidates():
     proc = run_python(["examples/benchmark.py", "--candidates", "warp_drive"], timeout=120)
     assert proc.returncode != 0 and "Unknown candidate 'warp_drive'" in proc.stderr
+
+
+def test_rounds_report_the_median_round_and_the_spread():
+    rounds = [{"candidate": "auto", "examples_per_s": eps, "step_ms": 1.0} for eps in (700.0, 600.0, 800.0)]
+    combined = training_bench.combine_rounds(rounds)
+    assert combined["examples_per_s"] == 700.0 and combined["rounds_examples_per_s"] == [700.0, 600.0, 800.0]
+    assert combined["spread"] == pytest.approx(200 / 700, abs=1e-4)
+    partly = training_bench.combine_rounds([{"candidate": "auto", "error": "boom"}, rounds[1], rounds[2]])
+    assert partly["examples_per_s"] == 600.0 and partly["failed_rounds"] == ["boom"]  # lower middle of 2
+    assert "error" in training_bench.combine_rounds([{"candidate": "x", "error": "a"}, {"candidate": "x",
+                                                                                         "error": "b"}])
+    assert training_bench.combine_rounds(rounds[:1]) == rounds[0]
+
+
+def test_two_interleaved_rounds_on_cpu(capsys):
+    records = training_bench.run_candidates("convnet", ["1gpu", "auto"], steps=2, jit=False, cpu_devices=2,
+                                            rounds=2, timeout=240)
+    assert [len(r["rounds_examples_per_s"]) for r in records] == [2, 2]
+    order = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if "round" in line]
+    assert order == ["1gpu (round 1/2)", "auto (round 1/2)", "1gpu (round 2/2)", "auto (round 2/2)"]
+    table = training_bench.render_table(records)
+    assert "spread" in table and "2 rounds, candidates interleaved" in table
+    with pytest.raises(ValueError, match="rounds should be a positive integer"):
+        training_bench.run_candidates("convnet", ["1gpu"], rounds=0)

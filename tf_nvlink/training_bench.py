@@ -147,31 +147,68 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
 
 def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Optional[int] = None, steps: int = 30,
                    jit: bool = True, mixed_precision: Optional[bool] = None, cpu_devices: int = 0,
-                   timeout: int = 900) -> list[dict]:
-    """Run each candidate in its own process, one after another; failures become records with an `error`."""
+                   timeout: int = 900, rounds: int = 1) -> list[dict]:
+    """Run each candidate in its own process, one after another; failures become records with an `error`.
+
+    With `rounds` > 1 the whole list runs that many times, round-robin (so slow drifts of a noisy machine hit
+    every candidate alike), and each candidate's record is its median round, with every round's figure in
+    `rounds_examples_per_s` and their spread.
+    """
     if model_name not in MODELS:
         raise ValueError(f"model should be one of {list(MODELS)}. Received: {model_name!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds should be a positive integer. Received: rounds={rounds!r}")
     batch = batch_per_replica or DEFAULT_BATCH[model_name]
     mixed = (model_name == "resnet50") if mixed_precision is None else mixed_precision
-    results = []
-    for candidate in candidates:
-        env = workers.package_env({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else None)
-        args = [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
-                "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
-                "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
-                "--cpu_devices", str(cpu_devices)]
-        started = time.perf_counter()
-        if candidate.split("@")[0] == "workers":
-            record, error = _run_workers(args, env, cpu_devices, timeout)
-        else:
-            record, error = workers.run_json_worker(args, env, timeout, accept=lambda r: "examples_per_s" in r)
-        if record is None:
-            record = {"model": model_name, "candidate": candidate, "error": error}
-        record["wall_s"] = round(time.perf_counter() - started, 1)
-        results.append(record)
-        print(f"  {candidate}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
-                                    else "FAILED: " + record["error"]), file=sys.stderr, flush=True)
-    return results
+    runs: dict[str, list[dict]] = {candidate: [] for candidate in candidates}
+    for round_index in range(rounds):
+        for candidate in candidates:
+            record = _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout)
+            runs[candidate].append(record)
+            where = f" (round {round_index + 1}/{rounds})" if rounds > 1 else ""
+            print(f"  {candidate}{where}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
+                                               else "FAILED: " + record["error"]), file=sys.stderr, flush=True)
+    return [combine_rounds(runs[candidate]) for candidate in candidates]
+
+
+def _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout) -> dict:
+    env = workers.package_env({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else None)
+    args = [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
+            "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
+            "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
+            "--cpu_devices", str(cpu_devices)]
+    started = time.perf_counter()
+    if candidate.split("@")[0] == "workers":
+        record, error = _run_workers(args, env, cpu_devices, timeout)
+    else:
+        record, error = workers.run_json_worker(args, env, timeout, accept=lambda r: "examples_per_s" in r)
+    if record is None:
+        record = {"model": model_name, "candidate": candidate, "error": error}
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    return record
+
+
+def combine_rounds(records: list[dict]) -> dict:
+    """One candidate's rounds -> its median round (the lower middle for an even count), with every round's
+    examples/s (None where it failed) and the spread (max - min) / median; a failure only if every round failed.
+
+    Example:
+        >>> combine_rounds([{"examples_per_s": 90.0}, {"examples_per_s": 110.0}, {"examples_per_s": 100.0}])
+        {'examples_per_s': 100.0, 'rounds_examples_per_s': [90.0, 110.0, 100.0], 'spread': 0.2}
+    """
+    ok = sorted((r for r in records if "error" not in r), key=lambda r: r["examples_per_s"])
+    if len(records) == 1:
+        return records[0]
+    if not ok:
+        return dict(records[-1], rounds_examples_per_s=[None] * len(records))
+    median = dict(ok[(len(ok) - 1) // 2])
+    figures = [r.get("examples_per_s") if "error" not in r else None for r in records]
+    median["rounds_examples_per_s"] = figures
+    median["spread"] = round((ok[-1]["examples_per_s"] - ok[0]["examples_per_s"]) / median["examples_per_s"], 4)
+    failed = [r["error"] for r in records if "error" in r]
+    if failed:
+        median["failed_rounds"] = failed
+    return median
 
 
 def worker_layout(cpu_devices: int = 0) -> list[str]:
@@ -217,9 +254,11 @@ def render_table(results: list[dict]) -> str:
     """Examples/s per candidate, with speed-up over 1 GPU and scaling efficiency = thr_N / (N x thr_1)."""
     one = next((r for r in results if r["candidate"] == "1gpu" and "error" not in r), None)
     stock = next((r for r in results if r["candidate"] == "stock" and "error" not in r), None)
+    spread = any("spread" in r for r in results)
     header = (f"{'candidate':<22}{'replicas':>9}{'XLA':>5}{'step':>9}{'examples/s':>12}{'vs 1 GPU':>10}"
-              f"{'scaling':>9}{'vs stock':>10}")
-    units = f"{'':<22}{'':>9}{'':>5}{'(ms)':>9}{'':>12}{'(x)':>10}{'(eff.)':>9}{'(x)':>10}"
+              f"{'scaling':>9}{'vs stock':>10}" + (f"{'spread':>9}" if spread else ""))
+    units = (f"{'':<22}{'':>9}{'':>5}{'(ms)':>9}{'':>12}{'(x)':>10}{'(eff.)':>9}{'(x)':>10}"
+             + (f"{'(%)':>9}" if spread else ""))
     lines = [header, units]
     for r in results:
         if "error" in r:
@@ -230,7 +269,7 @@ def render_table(results: list[dict]) -> str:
         vs_stock = r["examples_per_s"] / stock["examples_per_s"] if stock else None
         lines.append(f"{r['candidate']:<22}{r['replicas']:>9}{'yes' if r['jit_compile'] else 'no':>5}"
                      f"{r['step_ms']:>9.1f}{r['examples_per_s']:>12.0f}{_ratio(vs_one):>10}{_ratio(scaling):>9}"
-                     f"{_ratio(vs_stock):>10}")
+                     f"{_ratio(vs_stock):>10}" + (f"{100 * r['spread']:>9.1f}" if "spread" in r else ""))
     ok = {r["candidate"]: r for r in results if "error" not in r}
     for name, record in ok.items():
         base = name.replace("@nop2p", "")
@@ -243,6 +282,10 @@ def render_table(results: list[dict]) -> str:
         lines.append(f"# {', '.join(fused)}: the all-reduce ran inside XLA (fused mode), where TensorFlow uses its "
                      f"collective whatever the candidate's ops, so these rows differ by run-to-run noise only; "
                      f"compare ops with NAME@split or --nojit")
+    rounds = max((len(r.get("rounds_examples_per_s", ())) for r in results), default=0)
+    if rounds > 1:
+        lines.append(f"# {rounds} rounds, candidates interleaved; each row is its median round, spread = "
+                     f"(max - min) / median of its rounds")
     plans = sorted({r["plan"] for r in results if r.get("plan")})
     lines += [f"# {p}" for p in plans]
     return "\n".join(lines)
@@ -261,12 +304,15 @@ def main(argv=None) -> int:
     parser.add_argument("--mixed_precision", dest="mixed", action="store_true", default=None)
     parser.add_argument("--nomixed_precision", dest="mixed", action="store_false")
     parser.add_argument("--cpu_devices", type=int, default=0, help="run over N logical CPU devices (tests)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the candidate list this many times, interleaved, and report medians (noisy "
+                             "machines; default 1)")
     parser.add_argument("--json", default="", help="also write the records to this JSON file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.steps < 1 or (args.batch_per_replica is not None and args.batch_per_replica < 1):
-        parser.error(f"--steps and --batch_per_replica should be >= 1. Received: steps={args.steps}, "
-                     f"batch_per_replica={args.batch_per_replica}")
+    if args.steps < 1 or args.rounds < 1 or (args.batch_per_replica is not None and args.batch_per_replica < 1):
+        parser.error(f"--steps, --rounds and --batch_per_replica should be >= 1. Received: steps={args.steps}, "
+                     f"rounds={args.rounds}, batch_per_replica={args.batch_per_replica}")
     try:
         candidates = parse_candidates(args.candidates)
     except ValueError as exc:
@@ -279,7 +325,7 @@ def main(argv=None) -> int:
     print("# " + " ".join([os.path.basename(sys.executable), "-m", "tf_nvlink.training_bench"]
                           + (argv if argv is not None else sys.argv[1:])))
     results = run_candidates(args.model, candidates, args.batch_per_replica, args.steps, args.jit, args.mixed,
-                             args.cpu_devices)
+                             args.cpu_devices, rounds=args.rounds)
     print(render_table(results))
     if args.json:
         atomic.write_atomic(args.json, json.dumps(results, indent=1), mode=None)
