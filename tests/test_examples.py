@@ -2,6 +2,8 @@
 with the offline digits set. Each run takes a few seconds on a 2-core machine."""
 
 import importlib.util
+import os
+import sys
 import re
 import textwrap
 
@@ -105,3 +107,16 @@ def test_mnist_mlp_helpfull_documents_the_flags():
                  "--dataset: <auto|mnist|digits>", "--steps_per_epoch"):
         assert flag in result.stdout, flag
     assert "falls back to the UCI handwritten" in result.stdout
+
+
+def test_reproduce_script_keeps_whole_logs_and_rejects_unknown_stages(tmp_path):
+    import subprocess
+
+    script = str(ROOT / "benchmarks" / "reproduce.sh")
+    proc = subprocess.run(["bash", script, str(tmp_path), "report"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "-m tf_nvlink report" in (tmp_path / "commands.txt").read_text()
+    assert "Plan for tf_nvlink.strategy" in (tmp_path / "report.log").read_text()
+    bad = subprocess.run(["bash", script, str(tmp_path), "warp"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "valid: report allreduce tests mlp resnet50 workers" in bad.stderr

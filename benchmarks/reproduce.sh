@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Re-run the GPU figures of BUILD_NOTES.md on this machine, every log kept whole in OUTDIR.
+#
+#   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default: all)
+#
+# Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
+# goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
+set -uo pipefail
+out=${1:?usage: bash benchmarks/reproduce.sh OUTDIR [report allreduce tests mlp resnet50 workers]}
+shift
+stages=${*:-report allreduce tests mlp resnet50 workers}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export TF_NVLINK_CACHE_DIR="$out/cache" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+status=0
+run() {  # run NAME COMMAND...: stdout and stderr to OUTDIR/NAME.log, the exit status remembered
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$out/commands.txt"
+  "$@" > "$out/$name.log" 2>&1 || { echo "   $name exited with $?" | tee -a "$out/commands.txt"; status=1; }
+}
+for stage in $stages; do
+  case $stage in
+    report) run report "$py" -m tf_nvlink report ;;
+    allreduce)
+      if "$py" -c "import torch" 2>/dev/null; then
+        run raw_nccl "$py" benchmarks/raw_nccl_torch.py --sizes 1M,16M,256M,1G --json "$out/raw_nccl.json"
+      fi
+      run tune "$py" -m tf_nvlink tune --sizes 16M,256M
+      run allreduce "$py" -m tf_nvlink bench --sizes 1M,16M,256M,1G --compare_p2p --json "$out/allreduce.json" ;;
+    tests) run pytest_gpu "$py" -m pytest -m gpu -rA --tb=long -p no:cacheprovider ;;
+    mlp) run mlp "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
+           --candidates 1gpu,stock,auto,auto@split,nccl@split,hierarchical@split,auto@nop2p --json "$out/mlp.json" ;;
+    resnet50) run resnet50 "$py" -m tf_nvlink.training_bench --model resnet50 --steps 10 \
+                --candidates 1gpu,auto,auto@nop2p,stock --json "$out/resnet50.json" ;;
+    workers) run workers "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
+               --candidates auto,workers,workers@nop2p --json "$out/workers.json" ;;
+    *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers" >&2; exit 2 ;;
+  esac
+done
+exit $status
