@@ -17,6 +17,12 @@ examples (every worker reads its own shard of the data). The chief (task "chief"
 writes <model_dir>/model.keras; the other workers save to a temporary directory they delete afterwards (every
 worker must take part in saving, since saving may all-reduce variables). Every worker prints a checksum of its
 final weights: they are equal when the workers trained in sync.
+
+Resuming: after every epoch the chief writes a backup to <model_dir>/backup (atomically: a kill at any instant
+leaves the last finished epoch). If the run dies, start every worker again with the same command: all of them
+load the chief's backup and continue after the last finished epoch. Every worker must therefore reach the chief's
+<model_dir> (shared storage on several hosts); workers that would resume from different epochs stop with an error
+naming each one's epoch instead of hanging. The backup is deleted once model.keras is saved.
 """
 
 import hashlib
@@ -37,10 +43,11 @@ try:
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
-from tf_nvlink import datasets
-from tf_nvlink import multi_worker
 from tf_nvlink import atomic
+from tf_nvlink import callbacks as safe_callbacks
+from tf_nvlink import datasets
 from tf_nvlink import models
+from tf_nvlink import multi_worker
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
 
@@ -114,6 +121,20 @@ def save_model(model, strategy, model_dir):
     return None
 
 
+def read_shared_backup(strategy, backup_dir):
+    """The chief's backup this run resumes from (None: start over), the same on every worker or an error."""
+    try:
+        backup = safe_callbacks.read_backup(backup_dir)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
+    if isinstance(getattr(strategy, "plan", None), multi_worker.MultiWorkerPlan):
+        multi_worker.check_same_everywhere(
+            strategy, "resume_epoch", backup.epochs_done if backup else 0, timeout_s=_PEER_TIMEOUT.value,
+            hint=f"Every worker resumes from the chief's backup in {backup_dir}: put --model_dir on storage every "
+                 f"worker reaches, or delete the backup on every worker to start over.")
+    return backup
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -129,20 +150,30 @@ def main(argv):
     print(f"replicas: {replicas}, global batch {global_batch} = {global_batch // replicas} per replica, "
           f"{steps} steps per epoch", flush=True)
 
+    model_dir = _MODEL_DIR.value or DEFAULT_MODEL_DIR
+    backup_dir = os.path.join(model_dir, "backup")
+    backup = read_shared_backup(strategy, backup_dir)
+    if backup is not None:
+        print(f"found {backup_dir}: resuming at epoch {min(backup.epochs_done + 1, _EPOCHS.value)}/{_EPOCHS.value} "
+              f"({backup.epochs_done} finished before the run stopped)", flush=True)
+
     train, test = make_datasets(data, global_batch, seed=_SEED.value)
     with strategy.scope():
         model = models.compiled_mnist_mlp()
     chief = strategy.extended.should_checkpoint
+    resume = safe_callbacks.AtomicBackupAndRestore(backup_dir, write=chief)  # the chief writes, everyone restores
     history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=steps, shuffle=False,
-                        verbose=2 if chief else 0)
-    losses = history.history["loss"]
+                        verbose=2 if chief else 0, callbacks=[resume])
+    losses = history.history.get("loss", [])
     print(f"loss per epoch: {' '.join(f'{loss:.4f}' for loss in losses)}", flush=True)
     _, accuracy = model.evaluate(test, verbose=0)
     print(f"test accuracy: {accuracy:.4f}", flush=True)
     checksum, count = weights_checksum(model)
     print(f"final weights: sha256 {checksum} ({count:,} parameters)", flush=True)
-    path = save_model(model, strategy, _MODEL_DIR.value or DEFAULT_MODEL_DIR)
+    path = save_model(model, strategy, model_dir)
     print(f"saved {path}" if path else "not the chief: saved to a temporary directory, deleted", flush=True)
+    if chief:
+        safe_callbacks.delete_backup(backup_dir)  # only now: until model.keras exists, a rerun resumes
 
 
 if __name__ == "__main__":

@@ -311,42 +311,62 @@ def test_workers_with_different_gpu_counts_are_refused():
 
 # ---- two workers, end to end -------------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize("jobs", [("worker", "worker"), ("chief", "worker")], ids=["2_workers", "chief_and_worker"])
-def test_two_workers_train_the_mlp_in_sync(tmp_path, jobs):
-    ports = free_ports(2)
+def example_cluster(jobs):
+    """({job: [localhost addresses]}, [(job, index)]) for the example's workers, on free ports."""
     cluster: dict = {}
     tasks = []
-    for job, port in zip(jobs, ports):
+    for job, port in zip(jobs, free_ports(len(jobs))):
         cluster.setdefault(job, []).append(f"localhost:{port}")
         tasks.append((job, len(cluster[job]) - 1))
-    model_dir = tmp_path / "model"
-    argv = [sys.executable, EXAMPLE, "--dataset", "digits", "--epochs", "3", "--steps_per_epoch", "5",
-            "--batch_size", "64", "--model_dir", str(model_dir), "--peer_timeout", "60"]
+    return cluster, tasks
+
+
+def start_example_workers(tmp_path, cluster, tasks, argvs, tag=""):
+    """Start examples/multi_worker.py once per task (argvs: one argument list each); (processes, log paths)."""
     base_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     processes, logs = [], []
+    for (job, index), argv in zip(tasks, argvs):
+        log = tmp_path / f"{tag}{job}{index}.log"
+        env = dict(base_env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": job, "index": index}}))
+        with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+            processes.append(subprocess.Popen([sys.executable, EXAMPLE, *argv], env=env, cwd=ROOT, stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    return processes, logs
+
+
+def kill_workers(processes):
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # TensorFlow's workers ignore SIGTERM while they wait
+            process.wait()
+
+
+def run_example_workers(tmp_path, cluster, tasks, argvs, tag="", timeout=110):
+    """Run the workers to the end (killed after `timeout` s, failing the test); (return codes, outputs)."""
+    processes, logs = start_example_workers(tmp_path, cluster, tasks, argvs, tag)
     try:
-        for job, index in tasks:
-            log = tmp_path / f"{job}{index}.log"
-            env = dict(base_env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": job, "index": index}}))
-            with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-                processes.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
-            logs.append(log)
-        deadline = time.monotonic() + 110
+        deadline = time.monotonic() + timeout
         for process in processes:
             process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail("workers did not finish within 110 s:\n" + "\n".join(p.read_text()[-3000:] for p in logs))
+        pytest.fail(f"workers did not finish within {timeout} s:\n" + "\n".join(p.read_text()[-3000:] for p in logs))
     finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)  # TensorFlow's workers ignore SIGTERM while they wait
-                process.wait()
-    outputs = [log.read_text() for log in logs]
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-5000:]
+        kill_workers(processes)
+    return [p.returncode for p in processes], [log.read_text() for log in logs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jobs", [("worker", "worker"), ("chief", "worker")], ids=["2_workers", "chief_and_worker"])
+def test_two_workers_train_the_mlp_in_sync(tmp_path, jobs):
+    cluster, tasks = example_cluster(jobs)
+    model_dir = tmp_path / "model"
+    argv = ["--dataset", "digits", "--epochs", "3", "--steps_per_epoch", "5", "--batch_size", "64", "--model_dir",
+            str(model_dir), "--peer_timeout", "60"]
+    codes, outputs = run_example_workers(tmp_path, cluster, tasks, [argv, argv])
+    for code, output in zip(codes, outputs):
+        assert code == 0, output[-5000:]
 
     checksums, losses = [], []
     names = [f"{job}:{index}" for job, index in tasks]
@@ -375,3 +395,48 @@ def test_two_workers_train_the_mlp_in_sync(tmp_path, jobs):
 def test_nccl_bootstraps_over_loopback_when_the_whole_cluster_is_local(workers, environ, expected):
     cluster = multi_worker.parse_tf_config(tf_config(cluster={"worker": workers}))
     assert multi_worker.loopback_nccl_env(cluster, environ=environ) == expected
+
+
+def _final_checksum(output):
+    return re.search(r"^final weights: sha256 (\w+) ", output, re.M).group(1)
+
+
+@pytest.mark.slow
+def test_killed_workers_resume_from_the_chiefs_backup_and_refuse_to_disagree(tmp_path):
+    """SIGKILL both workers mid-run; a restart where one worker cannot see the backup stops with both epochs
+    named; a restart with the same command on both resumes after the last finished epoch, in sync."""
+    cluster, tasks = example_cluster(("worker", "worker"))
+    model_dir = tmp_path / "model"
+    metadata = model_dir / "backup" / "training_metadata.json"
+    common = ["--dataset", "digits", "--steps_per_epoch", "5", "--batch_size", "64", "--peer_timeout", "60"]
+    argv = [*common, "--epochs", "1000", "--model_dir", str(model_dir)]
+    processes, logs = start_example_workers(tmp_path, cluster, tasks, [argv, argv], tag="killed_")
+    try:
+        deadline = time.monotonic() + 100
+        while not (metadata.exists() and json.loads(metadata.read_text())["epoch"] >= 2):
+            assert all(p.poll() is None for p in processes), "\n".join(p.read_text()[-3000:] for p in logs)
+            assert time.monotonic() < deadline, "no backup of epoch 2 within 100 s"
+            time.sleep(0.05)
+    finally:
+        kill_workers(processes)
+    done = json.loads(metadata.read_text())["epoch"]
+
+    cluster, tasks = example_cluster(("worker", "worker"))  # fresh ports: the killed workers' may linger
+    lost = [*common, "--epochs", str(done + 2), "--model_dir", str(tmp_path / "elsewhere")]
+    codes, outputs = run_example_workers(tmp_path, cluster, tasks, [[*common, "--epochs", str(done + 2),
+                                                                     "--model_dir", str(model_dir)], lost],
+                                         tag="disagree_")
+    for code, output in zip(codes, outputs):
+        assert code != 0 and f"The workers disagree on resume_epoch (worker:0: {done}, worker:1: 0)" in output, \
+            output[-3000:]
+    assert json.loads(metadata.read_text())["epoch"] == done  # the backup is untouched
+
+    cluster, tasks = example_cluster(("worker", "worker"))
+    again = [*common, "--epochs", str(done + 2), "--model_dir", str(model_dir)]
+    codes, outputs = run_example_workers(tmp_path, cluster, tasks, [again, again], tag="resumed_")
+    for code, output in zip(codes, outputs):
+        assert code == 0, output[-5000:]
+        assert f"resuming at epoch {done + 1}/{done + 2} ({done} finished before the run stopped)" in output
+        assert len(re.search(r"^loss per epoch: (.*)$", output, re.M).group(1).split()) == 2, output[-3000:]
+    assert _final_checksum(outputs[0]) == _final_checksum(outputs[1])
+    assert sorted(p.name for p in model_dir.iterdir()) == ["model.keras"]  # the backup is gone after the save

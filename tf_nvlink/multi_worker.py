@@ -730,6 +730,38 @@ def _exchange(cluster: ClusterConfig, me: WorkerInfo, timeout_s: float) -> tuple
     return tuple(workers)
 
 
+def check_same_everywhere(strategy, name: str, value, timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+                          hint: str = "") -> None:
+    """Raise RuntimeError on every worker unless all workers pass the same JSON-able `value` for `name`.
+
+    For facts the workers must share before training, such as the epoch a resumed run starts from: workers that
+    disagree would run different numbers of steps, and the first all-reduce one of them misses hangs the rest.
+    The values travel through the coordination service's key-value store (no collective). `name` must be unique
+    per check in a run; `hint` ends the error message (what to fix).
+
+    Example:
+        >>> multi_worker.check_same_everywhere(strategy, "resume_epoch", 3,
+        ...                                    hint="Put --model_dir on storage every worker reaches.")
+    """
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    plan = getattr(strategy, "plan", None)
+    if not isinstance(plan, MultiWorkerPlan):
+        raise ValueError(f"check_same_everywhere needs a tf_nvlink MultiWorkerMirroredStrategy (from TF_CONFIG or "
+                         f"cluster_resolver=). Received: {type(strategy).__name__}")
+    cluster = plan.cluster
+    ctx = context.context()
+    ctx.set_config_key_value(f"{_KV_PREFIX}agree/{name}/{cluster.worker_id}", json.dumps(value))
+    values = {}
+    for worker_id, (task, _) in enumerate(cluster.members):
+        text = ctx.get_config_key_value(f"{_KV_PREFIX}agree/{name}/{worker_id}", int(timeout_s * 1000))
+        values[task] = json.loads(text)
+    if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+        table = ", ".join(f"{task}: {v!r}" for task, v in values.items())
+        raise RuntimeError(f"The workers disagree on {name} ({table}); {cluster.task} stops here rather than hang "
+                           f"at the first all-reduce." + (f" {hint}" if hint else ""))
+
+
 def _check_agreement(workers: Sequence[Optional[WorkerInfo]]) -> None:
     known = [w for w in workers if w is not None]
     if len({w.gpu_count for w in known}) > 1 or len({w.implementation for w in known}) > 1:
