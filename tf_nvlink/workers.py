@@ -67,6 +67,7 @@ def run_json_workers(commands: Sequence[Sequence[str]], envs: Sequence[dict], ti
     outputs: list[Optional[tuple[str, str]]] = [None] * len(procs)
     deadline = time.monotonic() + timeout
     timed_out = False
+    stopped_for: dict[int, int] = {}  # process killed here -> the failed process it could not finish without
     try:
         pending = set(range(len(procs)))
         while pending:
@@ -76,9 +77,11 @@ def run_json_workers(commands: Sequence[Sequence[str]], envs: Sequence[dict], ti
                 except subprocess.TimeoutExpired:
                     continue
                 pending.discard(i)
-                if procs[i].returncode != 0:  # the others cannot finish without it
+                if procs[i].returncode != 0 and not timed_out and i not in stopped_for:  # the others need it
                     for j in pending:
-                        procs[j].kill()
+                        if procs[j].poll() is None and j not in stopped_for:
+                            stopped_for[j] = i
+                            procs[j].kill()
             if pending and time.monotonic() > deadline:
                 timed_out = True
                 for j in pending:
@@ -90,10 +93,13 @@ def run_json_workers(commands: Sequence[Sequence[str]], envs: Sequence[dict], ti
             if outputs[i] is None:
                 outputs[i] = proc.communicate()
     results = []
-    for proc, (stdout, stderr) in zip(procs, outputs):
+    for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
         record = _last_json(stdout, accept)
         if record is not None:
             results.append((record, ""))
+        elif i in stopped_for:
+            results.append((None, f"stopped: process {stopped_for[i]} failed first (exit status "
+                                  f"{procs[stopped_for[i]].returncode}), and this one could not finish without it"))
         elif timed_out and proc.returncode and proc.returncode < 0:
             results.append((None, f"worker timed out after {timeout:.0f} s"))
         else:
