@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tf_nvlink import atomic  # noqa: E402
+from tf_nvlink import atomic, workers  # noqa: E402
 from tf_nvlink.bench import format_size, parse_sizes  # noqa: E402 - the same size syntax as tf-nvlink bench
 
 
@@ -59,17 +59,13 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    import socket
-
     import torch
     import torch.multiprocessing as mp
 
     world = torch.cuda.device_count()
     if world < 2:
         sys.exit(f"raw_nccl_torch.py needs 2 or more GPUs; torch sees {world}.")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = workers.free_ports(1, host="127.0.0.1")[0]
     context = mp.get_context("spawn")
     queue = context.Queue()
     mp.spawn(_rank_main, args=(world, parse_sizes(args.sizes), args.iters, args.warmup, port, queue), nprocs=world)

@@ -16,6 +16,7 @@ from fake_nvml import FakeNvml, dgx1_v100_x8, h200_x2, no_driver, pcie_x4
 
 from conftest import ROOT, run_python
 from tf_nvlink import multi_worker, nvml, policy
+from tf_nvlink import workers as worker_processes
 from tf_nvlink.multi_worker import ClusterConfig, MultiWorkerPlan, TfConfigError, WorkerInfo
 
 EXAMPLE = str(ROOT / "examples" / "multi_worker.py")
@@ -29,14 +30,7 @@ def tf_config(cluster=None, task_type="worker", index=0, **extra):
 
 def free_ports(n):
     """n distinct ports nothing listens on (bound to port 0 together, then released)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    return worker_processes.free_ports(n, host="127.0.0.1")
 
 
 # ---- TF_CONFIG ---------------------------------------------------------------------------------------------

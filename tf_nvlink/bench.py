@@ -415,6 +415,11 @@ def _chains(tf, strategy, iters: int, xla: bool = False):
     return timed, local_chain(iters), local_chain(0), check
 
 
+def _reported_ops(candidate: Candidate, plan) -> str:
+    """What did the all-reduce: the plan's cross-device ops, or "xla" (TensorFlow's collective inside XLA)."""
+    return "xla" if candidate.name == "xla" else plan.cross_device_ops
+
+
 def _worker_inputs(tf, strategy, count: int):
     """(x, floor): per-replica buffers filled with replica_id + 1, and per-replica -inf scalars."""
     x = strategy.experimental_distribute_values_from_function(
@@ -458,7 +463,7 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
             traceback.print_exc()  # the whole story on the worker's stderr
             results.append({"size_bytes": size, "count": count, "error": short_error(exc)})
     return {
-        "ok": True, "candidate": candidate.label, "ops": "xla" if xla else plan.cross_device_ops,
+        "ok": True, "candidate": candidate.label, "ops": _reported_ops(candidate, plan),
         "num_packs": None if xla else plan.num_packs,
         "n_replicas": n, "n_gpus": len(plan.gpus), "gpus": list(plan.gpus), "devices": list(plan.devices),
         "device_type": "CPU" if cpu else "GPU", "tf_version": tf.__version__, "plan": plan.summary(),
@@ -498,7 +503,7 @@ def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int
 
     timed, local, _, _ = _chains(tf, strategy, iters, xla=candidate.name == "xla")
     x, floor = _worker_inputs(tf, strategy, size // DTYPE_BYTES)
-    report = {"ok": True, "candidate": candidate.label, "ops": plan.cross_device_ops,
+    report = {"ok": True, "candidate": candidate.label, "ops": _reported_ops(candidate, plan),
               "n_replicas": strategy.num_replicas_in_sync, "iters": iters, "size_bytes": size}
     for name, fn in (("timed", timed), ("local", local)):
         context.enable_run_metadata()  # before the first call: the function graphs are recorded as it is built

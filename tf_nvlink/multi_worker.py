@@ -713,17 +713,12 @@ def _local_gpu_count(tf, cluster_resolver) -> int:
 def _exchange(cluster: ClusterConfig, me: WorkerInfo, timeout_s: float) -> tuple[Optional[WorkerInfo], ...]:
     """Every worker's `WorkerInfo`, through the coordination service's key-value store (a few small RPCs, no
     collective, so workers with different devices can still tell each other so). Unknown entries stay None."""
-    from tensorflow.python.eager import context  # noqa: PLC0415
-
     workers: list[Optional[WorkerInfo]] = [None] * cluster.worker_count
     workers[cluster.worker_id] = me
     try:
-        ctx = context.context()
-        ctx.set_config_key_value(f"{_KV_PREFIX}{cluster.worker_id}", json.dumps(me.to_dict()))
-        for worker_id in range(cluster.worker_count):
+        for worker_id, data in _share(cluster, "", me.to_dict(), timeout_s):
             if worker_id != cluster.worker_id:
-                value = ctx.get_config_key_value(f"{_KV_PREFIX}{worker_id}", int(timeout_s * 1000))
-                workers[worker_id] = WorkerInfo(**json.loads(value))
+                workers[worker_id] = WorkerInfo(**data)
     except Exception as error:  # noqa: BLE001 - the records are informative; training does not need them
         log.warning("tf_nvlink: could not gather the other workers' topologies (%s: %s); the plan lists this "
                     "worker's only", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
@@ -743,23 +738,33 @@ def check_same_everywhere(strategy, name: str, value, timeout_s: float = DEFAULT
         >>> multi_worker.check_same_everywhere(strategy, "resume_epoch", 3,
         ...                                    hint="Put --model_dir on storage every worker reaches.")
     """
-    from tensorflow.python.eager import context  # noqa: PLC0415
-
     plan = getattr(strategy, "plan", None)
     if not isinstance(plan, MultiWorkerPlan):
         raise ValueError(f"check_same_everywhere needs a tf_nvlink MultiWorkerMirroredStrategy (from TF_CONFIG or "
                          f"cluster_resolver=). Received: {type(strategy).__name__}")
     cluster = plan.cluster
-    ctx = context.context()
-    ctx.set_config_key_value(f"{_KV_PREFIX}agree/{name}/{cluster.worker_id}", json.dumps(value))
-    values = {}
-    for worker_id, (task, _) in enumerate(cluster.members):
-        text = ctx.get_config_key_value(f"{_KV_PREFIX}agree/{name}/{worker_id}", int(timeout_s * 1000))
-        values[task] = json.loads(text)
+    tasks = [task for task, _ in cluster.members]
+    values = {tasks[worker_id]: shared for worker_id, shared in _share(cluster, f"agree/{name}/", value, timeout_s)}
     if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
         table = ", ".join(f"{task}: {v!r}" for task, v in values.items())
         raise RuntimeError(f"The workers disagree on {name} ({table}); {cluster.task} stops here rather than hang "
                            f"at the first all-reduce." + (f" {hint}" if hint else ""))
+
+
+def _share(cluster: ClusterConfig, key: str, value, timeout_s: float):
+    """Publish this worker's JSON-able `value` under `key` in the coordination service's key-value store, then
+    yield (worker id, value) for every worker in worker-id order (this worker's own without a round trip), each
+    waiting up to `timeout_s` for that worker to publish."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    ctx = context.context()
+    ctx.set_config_key_value(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
+    for worker_id in range(cluster.worker_count):
+        if worker_id == cluster.worker_id:
+            yield worker_id, value
+        else:
+            yield worker_id, json.loads(ctx.get_config_key_value(f"{_KV_PREFIX}{key}{worker_id}",
+                                                                 int(timeout_s * 1000)))
 
 
 def _check_agreement(workers: Sequence[Optional[WorkerInfo]]) -> None:

@@ -173,15 +173,20 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
 
 def _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout) -> dict:
     env = workers.package_env({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else None)
-    args = [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
-            "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
-            "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
-            "--cpu_devices", str(cpu_devices)]
+    multi = candidate.split("@")[0] == "workers"
+
+    def worker_args(devices):
+        return [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
+                "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
+                "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
+                "--cpu_devices", str(devices)]
+
     started = time.perf_counter()
-    if candidate.split("@")[0] == "workers":
-        record, error = _run_workers(args, env, cpu_devices, timeout)
+    if multi:  # each worker process trains on one device: its GPU, or its one CPU
+        record, error = _run_workers(worker_args(0), env, cpu_devices, timeout)
     else:
-        record, error = workers.run_json_worker(args, env, timeout, accept=lambda r: "examples_per_s" in r)
+        record, error = workers.run_json_worker(worker_args(cpu_devices), env, timeout,
+                                                accept=lambda r: "examples_per_s" in r)
     if record is None:
         record = {"model": model_name, "candidate": candidate, "error": error}
     record["wall_s"] = round(time.perf_counter() - started, 1)
@@ -196,9 +201,9 @@ def combine_rounds(records: list[dict]) -> dict:
         >>> combine_rounds([{"examples_per_s": 90.0}, {"examples_per_s": 110.0}, {"examples_per_s": 100.0}])
         {'examples_per_s': 100.0, 'rounds_examples_per_s': [90.0, 110.0, 100.0], 'spread': 0.2}
     """
-    ok = sorted((r for r in records if "error" not in r), key=lambda r: r["examples_per_s"])
     if len(records) == 1:
         return records[0]
+    ok = sorted((r for r in records if "error" not in r), key=lambda r: r["examples_per_s"])
     if not ok:
         return dict(records[-1], rounds_examples_per_s=[None] * len(records))
     median = dict(ok[(len(ok) - 1) // 2])
@@ -226,14 +231,13 @@ def worker_layout(cpu_devices: int = 0) -> list[str]:
 
 def _run_workers(args: list[str], env: dict, cpu_devices: int, timeout: int) -> tuple[Optional[dict], str]:
     """The `workers` candidate: one process per GPU (or CPU worker) on localhost, started together; the chief's
-    record, with every worker's step time."""
+    record, with every worker's step time. `args` run one worker on one device (--cpu_devices 0)."""
     try:
         layout = worker_layout(cpu_devices)
     except ValueError as exc:
         return None, str(exc)
     ports = workers.free_ports(len(layout))
     cluster = {"worker": [f"localhost:{port}" for port in ports]}
-    args = [a if i == 0 or args[i - 1] != "--cpu_devices" else "0" for i, a in enumerate(args)]  # 1 device each
     envs = [dict(env, CUDA_VISIBLE_DEVICES=visible, CUDA_DEVICE_ORDER="PCI_BUS_ID",  # NVML's order
                  TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
             for i, visible in enumerate(layout)]

@@ -35,8 +35,7 @@ def run_json_worker(command: Sequence[str], env: dict, timeout: float,
     record = _last_json(proc.stdout, accept)
     if record is not None:
         return record, ""
-    tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
-    return None, f"worker exited with status {proc.returncode} without a result: {tail}"
+    return None, _no_result(proc.returncode, proc.stdout, proc.stderr)
 
 
 def free_ports(n: int, host: str = "localhost") -> list[int]:
@@ -103,9 +102,13 @@ def run_json_workers(commands: Sequence[Sequence[str]], envs: Sequence[dict], ti
         elif timed_out and proc.returncode and proc.returncode < 0:
             results.append((None, f"worker timed out after {timeout:.0f} s"))
         else:
-            tail = " | ".join((stderr or stdout or "").strip().splitlines()[-3:])
-            results.append((None, f"worker exited with status {proc.returncode} without a result: {tail}"))
+            results.append((None, _no_result(proc.returncode, stdout, stderr)))
     return results
+
+
+def _no_result(returncode: int, stdout: str, stderr: str) -> str:
+    tail = " | ".join((stderr or stdout or "").strip().splitlines()[-3:])
+    return f"worker exited with status {returncode} without a result: {tail}"
 
 
 def _last_json(stdout: str, accept: Callable[[dict], bool]) -> Optional[dict]:
