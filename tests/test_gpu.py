@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from conftest import run_python
@@ -88,7 +89,10 @@ _FIT_SCRIPT = r"""
 import json, sys
 import numpy as np, tensorflow as tf, keras
 import tf_nvlink
-mode = sys.argv[1]
+mode, cpus = sys.argv[1], int(sys.argv[2])
+if cpus:  # the CPU rehearsal of this test (tests/test_bench.py): that many logical CPUs, no GPU
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * cpus)
 if mode != "single":
     strategy = tf_nvlink.strategy(gpus="all", xla_allreduce=mode)
     assert isinstance(strategy, tf.distribute.MirroredStrategy)
@@ -104,25 +108,33 @@ with strategy.scope():
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
 history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
 kernel = model.trainable_variables[0].value
-same = all(np.array_equal(kernel.values[0].numpy(), v.numpy()) for v in getattr(kernel, "values", [kernel]))
+copies = list(getattr(kernel, "values", [kernel]))  # a mirrored variable's per-replica copies
+same = all(np.array_equal(copies[0].numpy(), v.numpy()) for v in copies)
 print(json.dumps({"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()],
                   "replicas": strategy.num_replicas_in_sync, "replicas_identical": bool(same)}))
 """
 
 
-@needs_2_gpus
-@pytest.mark.parametrize("mode", ["fused", "split"])
-def test_two_gpu_xla_fit_matches_single_gpu(mode):
+def check_fit_matches_single_device(mode, replicas, cpus=0):
+    """Fit the same model on one device and under `tf_nvlink.strategy(xla_allreduce=mode)`; the weights agree."""
     results = {}
     for run in ("single", mode):
-        proc = run_python(["-c", _FIT_SCRIPT, run], timeout=600)
+        proc = run_python(["-c", _FIT_SCRIPT, run, str(cpus)], timeout=600,
+                          env={"CUDA_VISIBLE_DEVICES": ""} if cpus else None)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[run] = json.loads(proc.stdout.strip().splitlines()[-1])
     single, multi = results["single"], results[mode]
-    assert multi["replicas"] == GPU_COUNT and multi["replicas_identical"]
+    assert multi["replicas"] == replicas and multi["replicas_identical"]
     assert multi["loss"][-1] < multi["loss"][0]
+    assert len(single["weights"]) == len(multi["weights"])
     for a, b in zip(single["weights"], multi["weights"]):
-        assert a == pytest.approx(b, rel=2e-3, abs=2e-4)
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=2e-3, atol=2e-4)
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("mode", ["fused", "split"])
+def test_two_gpu_xla_fit_matches_single_gpu(mode):
+    check_fit_matches_single_device(mode, GPU_COUNT)
 
 
 # Every default candidate of `tf-nvlink bench`, by the label its records carry ("nccl" runs as "nccl:1").

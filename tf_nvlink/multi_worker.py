@@ -547,9 +547,17 @@ def strategy_class():
     """`tf.distribute.MultiWorkerMirroredStrategy` with a `plan` (defined on first use: imports TensorFlow)."""
     import tensorflow as tf  # noqa: PLC0415
 
-    class NVLinkMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    from tf_nvlink import xla  # noqa: PLC0415 - imports TensorFlow
+
+    class NVLinkMultiWorkerMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.MultiWorkerMirroredStrategy):
         """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
         `fit`/`evaluate` run on several workers.
+
+        `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla.py): gradients are computed
+        in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
+        inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers
+        failed in ncclCommInitRankConfig ("socketPollConnect: connect to 127.0.0.1<port> returned Connection
+        refused"), at the first step.
 
         Keras 3 (3.15 and earlier; keras-team/keras#20585) calls `strategy.reduce` in two ways the stock strategy
         rejects once there are two or more workers: with a tuple of per-replica batches (`_maybe_symbolic_build`,
@@ -566,6 +574,11 @@ def strategy_class():
         @property
         def plan(self) -> Optional[MultiWorkerPlan]:
             return self._tf_nvlink_plan
+
+        @property
+        def xla_allreduce(self) -> str:
+            """Always "split" here (see the class docstring)."""
+            return "split"
 
         def reduce(self, reduce_op, value, axis):
             if isinstance(value, (tuple, list, dict)):
@@ -662,6 +675,11 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     plan = MultiWorkerPlan(local=local, cluster=cluster, implementation=implementation, implementation_reason=reason,
                            local_gpu_count=local_gpu_count, workers=workers, peer_seconds=peer_seconds)
     built._tf_nvlink_plan = plan  # noqa: SLF001
+    from tf_nvlink import xla  # noqa: PLC0415
+
+    problem = xla.install_keras_hooks()
+    if problem:
+        log.warning("tf_nvlink: per-replica XLA unavailable: %s", problem)
     log.info(plan.summary())
     return built, plan
 
