@@ -553,7 +553,8 @@ def strategy_class():
         """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
         `fit`/`evaluate` run on several workers.
 
-        `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla.py): gradients are computed
+        `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla.py; `build_strategy` puts
+        "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
         in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
         inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers
         failed in ncclCommInitRankConfig ("socketPollConnect: connect to 127.0.0.1<port> returned Connection
@@ -567,18 +568,9 @@ def strategy_class():
         unchanged.
         """
 
-        def __init__(self, cluster_resolver=None, communication_options=None):
-            super().__init__(cluster_resolver=cluster_resolver, communication_options=communication_options)
-            self._tf_nvlink_plan = None
-
         @property
         def plan(self) -> Optional[MultiWorkerPlan]:
             return self._tf_nvlink_plan
-
-        @property
-        def xla_allreduce(self) -> str:
-            """Always "split" here (see the class docstring)."""
-            return "split"
 
         def reduce(self, reduce_op, value, axis):
             if isinstance(value, (tuple, list, dict)):
@@ -677,9 +669,7 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     built._tf_nvlink_plan = plan  # noqa: SLF001
     from tf_nvlink import xla  # noqa: PLC0415
 
-    problem = xla.install_keras_hooks()
-    if problem:
-        log.warning("tf_nvlink: per-replica XLA unavailable: %s", problem)
+    xla.enable_per_replica_xla()
     log.info(plan.summary())
     return built, plan
 

@@ -42,27 +42,7 @@ class NVLinkMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.Mirro
     def plan(self) -> Optional[policy.Plan]:
         return self._tf_nvlink_plan
 
-    @property
-    def xla_allreduce(self) -> str:
-        """"fused" or "split": how jit_compile=True models all-reduce (see tf_nvlink/xla.py)."""
-        return self._tf_nvlink_plan.xla_allreduce if self._tf_nvlink_plan else "split"
 
-    def run(self, fn, args=(), kwargs=None, options=None):
-        if self.num_replicas_in_sync > 1 and _XLA_PROBLEM[0] and _in_xla_context():
-            raise xla.UnsupportedKerasError(
-                f"XLA across replicas is not possible with this Keras: {_XLA_PROBLEM[0]}. tf_nvlink supports "
-                f"Keras {'.'.join(map(str, xla.TESTED_KERAS[0]))} to {'.'.join(map(str, xla.TESTED_KERAS[1]))}; "
-                "compile with jit_compile=False or install a supported Keras.")
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
-
-
-def _in_xla_context() -> bool:
-    from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
-
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-_XLA_PROBLEM: list[Optional[str]] = [None]
 _LOCK = threading.Lock()
 _CURRENT: dict = {}
 
@@ -202,9 +182,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     else:
         ops = build_cross_device_ops(plan, device_names)
     plan = _replace(plan, devices=tuple(device_names))
-    _XLA_PROBLEM[0] = xla.install_keras_hooks()
-    if _XLA_PROBLEM[0]:
-        log.warning("tf_nvlink: per-replica XLA unavailable: %s", _XLA_PROBLEM[0])
+    xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
 
 

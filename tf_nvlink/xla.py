@@ -30,13 +30,19 @@ strategy (the model's layers support XLA and a GPU is present); on CPU-only mach
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Callable
 
 import tensorflow as tf
 
+log = logging.getLogger("tf_nvlink")
+
 # Keras versions whose trainer internals tests/test_xla.py pins (first, last tested minor version).
 TESTED_KERAS = ((3, 12), (3, 15))
+
+# Why the hooks could not be installed by the last `enable_per_replica_xla()` (None: installed).
+_HOOK_PROBLEM: list[str | None] = [None]
 
 
 class UnsupportedKerasError(RuntimeError):
@@ -120,6 +126,14 @@ def install_keras_hooks() -> str | None:
         return None
 
 
+def enable_per_replica_xla() -> None:
+    """Install the trainer hooks for a tf_nvlink strategy being built; on a Keras without the internals they need,
+    log why, and make a jit-compiled step under that strategy raise `UnsupportedKerasError`."""
+    _HOOK_PROBLEM[0] = install_keras_hooks()
+    if _HOOK_PROBLEM[0]:
+        log.warning("tf_nvlink: per-replica XLA unavailable: %s", _HOOK_PROBLEM[0])
+
+
 def uninstall_keras_hooks() -> None:
     """Restore Keras' own trainer methods (tests use this to show what the hooks fix)."""
     with _INSTALL_LOCK:
@@ -191,8 +205,7 @@ class PerReplicaXlaStep:
     def fused(self) -> bool:
         """Whole train step in XLA, all-reduce included (GPUs only: TensorFlow skips merge_call under XLA there)."""
         strategy = self.model.distribute_strategy
-        return self.kind != "train" or fused_allreduce_possible(strategy) and getattr(
-            strategy, "xla_allreduce", "split") == "fused"
+        return self.kind != "train" or fused_allreduce_possible(strategy) and strategy.xla_allreduce == "fused"
 
     def _fused_body(self) -> Callable:
         optimizer = self.model.optimizer
@@ -255,12 +268,32 @@ class PerReplicaXlaStep:
         return logs
 
 
+def _in_xla_context() -> bool:
+    from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 class PerReplicaXlaStrategyMixin:
-    """Gives each replica its own compiled copy of a `jit_compile=True` tf.function passed to `run`."""
+    """Gives each replica its own compiled copy of a `jit_compile=True` tf.function passed to `run`.
+
+    The strategy's `_tf_nvlink_plan` (set by its builder) says how XLA models all-reduce (`xla_allreduce`).
+    """
 
     _per_replica_functions: dict
+    _tf_nvlink_plan = None
+
+    @property
+    def xla_allreduce(self) -> str:
+        """"fused" or "split": how jit_compile=True models all-reduce (see the module doc)."""
+        return self._tf_nvlink_plan.xla_allreduce if self._tf_nvlink_plan else "split"
 
     def run(self, fn, args=(), kwargs=None, options=None):
+        if self.num_replicas_in_sync > 1 and _HOOK_PROBLEM[0] and _in_xla_context():
+            raise UnsupportedKerasError(
+                f"XLA across replicas is not possible with this Keras: {_HOOK_PROBLEM[0]}. tf_nvlink supports "
+                f"Keras {'.'.join(map(str, TESTED_KERAS[0]))} to {'.'.join(map(str, TESTED_KERAS[1]))}; "
+                "compile with jit_compile=False or install a supported Keras.")
         target = getattr(fn, "__wrapped__", fn)
         if self.num_replicas_in_sync > 1 and getattr(target, "_jit_compile", False) and hasattr(
                 target, "python_function"):
