@@ -174,7 +174,7 @@ def summarize_trace(logdir, steps):
 
 
 # ---------------------------------------------------------------- training ------------------------------------
-def build_model(keras, image_shape, classes=1000, name="resnet50"):
+def build_model(keras, image_shape, classes=1000, name="resnet50", steps_per_execution=1):
     inputs = keras.Input(shape=image_shape, dtype="uint8")
     x = keras.layers.Rescaling(1.0 / 255)(inputs)  # the cast runs on the GPU, inside the compiled step
     if name == "resnet50":
@@ -185,7 +185,8 @@ def build_model(keras, image_shape, classes=1000, name="resnet50"):
         outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32")(x)
     model = keras.Model(inputs, outputs)
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(), jit_compile=True)
+                  loss=keras.losses.SparseCategoricalCrossentropy(), jit_compile=True,
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -198,6 +199,7 @@ def main():
     parser.add_argument("--variants", default="host,buffer4,device")
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "tiny"))
+    parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option, both setups")
     parser.add_argument("--profile", default="", help="trace 1gpu and auto (host input) into this directory")
     parser.add_argument("--profile_steps", type=int, default=10)
     parser.add_argument("--json", default="")
@@ -225,10 +227,10 @@ def main():
 
     # 1 GPU: no strategy at all; the model lives on the first GPU.
     with tf.device(plan.devices[0] if plan.devices else "/cpu:0"):
-        one = build_model(keras, shape, name=args.model)
+        one = build_model(keras, shape, name=args.model, steps_per_execution=args.steps_per_execution)
     one_ds = host_dataset(args.batch_per_gpu)
     with strategy.scope():
-        multi = build_model(keras, shape, name=args.model)
+        multi = build_model(keras, shape, name=args.model, steps_per_execution=args.steps_per_execution)
     global_batch = args.batch_per_gpu * n
     multi_host = host_dataset(global_batch)
     inputs = {"host": multi_host}
@@ -288,7 +290,8 @@ def main():
     grads = sum(int(np.prod(v.shape)) * 4 for v in multi.trainable_variables)
     print(f"# fp32 gradient bytes {grads / 2**20:.1f} MiB in {len(multi.trainable_variables)} tensors; expected "
           f"all-reduce traffic per GPU per step 2(n-1)/n x that = {2 * (n - 1) / n * grads / 2**20:.1f} MiB")
-    print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {args.rounds} interleaved rounds of "
+    print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; NCCL_P2P_DISABLE="
+          f"{os.environ.get('NCCL_P2P_DISABLE', '')!r}; steps_per_execution={args.steps_per_execution}; {args.rounds} interleaved rounds of "
           f"{args.steps}-step fits after a {args.warmup}-step warm-up; median round, spread = (max-min)/median")
 
     profiles = {}
