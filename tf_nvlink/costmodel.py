@@ -68,7 +68,7 @@ DEFAULT_FUSED_OVERLAP = 0.0
 REPLICA_OVERHEAD_DATA_ON_GPU_MS = 0.89
 # - fed from host memory through tf.data, as users train (issue 13, five 1-vs-2-GPU pairs): the median pair
 #   (3446 vs 6038 img/s: 37.14 -> 42.40 ms) minus the same all-reduce.
-REPLICA_OVERHEAD_HOST_FED_MS = 4.65
+REPLICA_OVERHEAD_HOST_FED_MS = 4.64
 DEFAULT_REPLICA_OVERHEAD_MS = REPLICA_OVERHEAD_DATA_ON_GPU_MS
 
 ALLREDUCE_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
