@@ -32,7 +32,7 @@ import pytest
 import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeNvml
-from tf_nvlink import atomic, datasets, nvml, policy, tune
+from tf_nvlink import atomic, datasets, nvml, policy, tune, tune_cache
 from tf_nvlink.topology import Topology
 
 MNIST_MLP = str(ROOT / "examples" / "mnist_mlp.py")
@@ -631,7 +631,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
                     torn.write(b"torn")
                 raise Killed()
             return real_replace(src, dst)
-        tune.os.replace = replace
+        tune_cache.os.replace = replace
         callback = callbacks.AtomicBackupAndRestore(backup)
         callback.set_model(first)
         callback._current_epoch = 2
@@ -642,7 +642,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
         except Killed:
             pass
         finally:
-            tune.os.replace, os.unlink = real_replace, unlink
+            tune_cache.os.replace, os.unlink = real_replace, unlink
         resumed = resume()
         got = weights(resumed)
         out[str(point)] = {{
@@ -701,7 +701,7 @@ def test_write_atomic_keeps_the_old_file_when_killed(tmp_path, monkeypatch):
     def killed(*args):
         raise Killed()
 
-    monkeypatch.setattr(tune.os, "replace", killed)
+    monkeypatch.setattr(tune_cache.os, "replace", killed)
     with pytest.raises(Killed):
         atomic.write_atomic(str(path), '{"new": true}\n')
     monkeypatch.undo()

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import keras
 
 from tf_nvlink import atomic
-from tf_nvlink.tune import strict_loads
+from tf_nvlink.text import strict_loads
 
 
 def save_atomically(model, path):

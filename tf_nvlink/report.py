@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
-from tf_nvlink import devices, policy, tune
+from tf_nvlink import devices, policy, tune_cache
 from tf_nvlink.nvml import probe as nvml_probe
 from tf_nvlink.topology import RemoteType, Topology
 
@@ -66,8 +66,9 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         record["link_gbps"] = rates[0] if len(rates) == 1 else None  # None: no links, or links of mixed speed
         record["reaches"] = _reaches(topology, gpu)
     data["tensorflow"] = _collect_tf(topology, environ) if with_tf else {"checked": False}
-    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(topology, "all", visible)
-    data["auto_plan"] = _make_plan(topology, "auto", visible)
+    facts = _facts(topology, visible, data["tensorflow"])
+    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(facts, "all")
+    data["auto_plan"] = _make_plan(facts, "auto")
     return data
 
 
@@ -108,12 +109,31 @@ def _plan_record(plan: Any) -> dict:
     return record
 
 
-def _make_plan(topology: Topology, gpus: str, visible: list[int]) -> dict:
+def _facts(topology: Topology, visible: list[int], tf_section: dict) -> policy.Facts:
+    """The facts `tf_nvlink.strategy()` would gather, as far as the report knows them (TensorFlow's only when
+    it was asked: without it, TensorFlow is assumed to see the GPUs NVML and CUDA_VISIBLE_DEVICES leave)."""
+    tf_gpu_count = nccl = None
+    if tf_section.get("checked"):
+        tf_gpu_count = len(tf_section["gpus"])
+        if tf_gpu_count:
+            try:
+                nccl = devices.nccl_available()
+            except ImportError:  # TensorFlow's internals missing: unknown, as without TensorFlow
+                nccl = None
+    return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
+                        no_gpu_cause=tf_section.get("problem") or "see TensorFlow's view above",
+                        nccl_available=nccl, tune_choice=lambda gpus: tune_cache.stored_choice(topology, gpus))
+
+
+def _make_plan(facts: policy.Facts, gpus: str) -> dict:
+    """The plan `tf_nvlink.strategy(gpus=gpus)` builds from these facts: the same `policy.decide` call."""
     try:
-        plan = policy.make_plan(topology, gpus, "auto", visible=visible)
-        return _plan_record(tune.with_stored_choice(plan, topology))  # as tf_nvlink.strategy() would
+        plan, warnings = policy.decide(facts, gpus, "auto")
     except ValueError as exc:  # not expected for "all"/"auto", but a report must not die on it
         return {"requested": [gpus, "auto", None], "error": str(exc)}
+    record = _plan_record(plan)
+    record["warnings"] = warnings
+    return record
 
 
 def _import_tensorflow():
