@@ -15,6 +15,7 @@ import dataclasses
 import re
 from typing import Callable, Optional, Sequence, Union
 
+from tf_nvlink import devices as devices_lib
 from tf_nvlink import nvml
 from tf_nvlink.topology import Topology
 
@@ -329,3 +330,52 @@ def without_nccl(plan: Plan) -> tuple[Plan, str]:
         plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
         xla_allreduce="split", reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
                                       f"{plan.cross_device_ops}: {plan.reason})"), warning
+
+
+# ---- across workers --------------------------------------------------------------------------------------------
+
+def choose_implementation(topology: Topology, local_gpu_count: int,
+                          visible: Optional[Sequence[int]] = None) -> tuple[str, str]:
+    """("NCCL" | "RING", reason) for a worker with `local_gpu_count` GPUs; pure, no TensorFlow.
+
+    `visible` are the NVML indices of the worker's GPUs (default: the first `local_gpu_count` of those
+    `CUDA_VISIBLE_DEVICES` leaves).
+
+    Any GPU means NCCL, whatever the links; only the reason differs. TensorFlow's AUTO is no neutral default on
+    GPUs: TensorFlow 2.21 runs NCCL only when the hint says "nccl" (or ConfigProto's collective_nccl is set, which
+    MultiWorkerMirroredStrategy does in graph mode only: `CollectiveParamResolverLocal::AssignCollectiveType`), so
+    AUTO means its own gRPC ring, which copies every gradient through host memory. NCCL uses NVLink inside the
+    worker and InfiniBand/RoCE (or TCP sockets) between workers; a TensorFlow built without NCCL falls back to its
+    ring by itself. CPU-only workers get RING (NCCL needs GPUs).
+    """
+    if isinstance(local_gpu_count, bool) or not isinstance(local_gpu_count, int) or local_gpu_count < 0:
+        raise ValueError(f"local_gpu_count should be a non-negative integer. Received: "
+                         f"local_gpu_count={local_gpu_count!r}")
+    if local_gpu_count == 0:
+        if topology.gpus:
+            return ("RING", f"NVML sees {len(topology.gpus)} GPU(s) but this worker trains on none (TensorFlow "
+                    "without CUDA, or CUDA_VISIBLE_DEVICES hides them): TensorFlow's ring all-reduce over gRPC "
+                    "(NCCL needs GPUs)")
+        return "RING", "CPU-only worker: TensorFlow's ring all-reduce over gRPC (NCCL needs GPUs)"
+    if not topology.gpus:
+        return ("NCCL", f"{local_gpu_count} GPU(s) without NVML (interconnect unknown): NCCL all the same, since "
+                "TensorFlow's AUTO would mean its gRPC ring through host memory on GPUs")
+    if visible is None:
+        visible = devices_lib.visible_nvml_indices(topology)[:local_gpu_count]
+    visible = tuple(visible)
+    if len(visible) != local_gpu_count:
+        return ("NCCL", f"this worker trains on {local_gpu_count} GPU(s) but NVML maps {len(visible)} of them "
+                f"({list(visible)}), so their links are uncertain: NCCL all the same, since TensorFlow's AUTO would "
+                "mean its gRPC ring through host memory on GPUs")
+    shape = topology.kind(visible)
+    if shape == "single":
+        return ("NCCL", "one GPU per worker: NCCL all-reduces across workers (InfiniBand/RoCE when present, TCP "
+                "sockets otherwise); TensorFlow's AUTO would mean its gRPC ring through host memory")
+    if shape in ("nvswitch", "nvlink-all"):
+        link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
+        gbps = topology.min_pair_gbps(visible)
+        return ("NCCL", f"this worker's {len(visible)} GPUs reach each other {link} ({gbps:.0f} GB/s per "
+                "direction): NCCL all-reduces over NVLink inside the worker and over the network between workers")
+    what = "only some GPU pairs have NVLink" if shape == "nvlink-partial" else "PCIe only, no NVLink"
+    return ("NCCL", f"this worker's {len(visible)} GPUs: {what}; NCCL still (it routes over NVLink where it can "
+            "and PCIe elsewhere), since TensorFlow's AUTO would mean its gRPC ring through host memory")

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import tf_nvlink
 from tf_nvlink import devices, policy, tune_cache
 from tf_nvlink.nvml import probe as nvml_probe
+from tf_nvlink.text import table
 from tf_nvlink.topology import RemoteType, Topology
 
 LEGEND = ("Legend: X = self; NV# = a bonded set of # NVLinks (direct, or through NVSwitch); PIX = one PCIe "
@@ -246,16 +247,6 @@ def _number(value: Optional[float], digits: int) -> str:
     return f"{round(value, digits):g}" if digits > 1 else f"{value:.{digits}f}"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
-    """nccl-tests-style table: the first two rows are the names and units rows, prefixed with '#'."""
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = []
-    for r, row in enumerate(rows):
-        cells = [cell.rjust(widths[c]) if c in right else cell.ljust(widths[c]) for c, cell in enumerate(row)]
-        lines.append(("# " if r < 2 else "  ") + "  ".join(cells).rstrip())
-    return lines
-
-
 def _render_nvlink_table(data: dict) -> str:
     rows = [["GPU", "name", "PCI bus id", "active", "NVLink", "per link", "total", "reaches"],
             ["", "", "", "links", "version", "(GB/s)", "(GB/s)", ""]]
@@ -266,7 +257,7 @@ def _render_nvlink_table(data: dict) -> str:
                      _number(gpu["link_gbps"], 3) if has_links else "-",
                      _number(gpu["nvlink_gbps"], 1), gpu["reaches"]])
     title = "NVLink per GPU (as `nvidia-smi nvlink -s`; GB/s per direction):"
-    return "\n".join([title] + _table(rows, right={0, 3, 4, 5, 6}))
+    return "\n".join([title] + table(rows, right={0, 3, 4, 5, 6}, header_rows=2))
 
 
 def _render_gbps_matrix(data: dict) -> str:
@@ -324,7 +315,7 @@ def _render_tf(data: dict) -> str:
         for gpu in tf["gpus"]:
             nvml_index = "?" if gpu["nvml_index"] is None else str(gpu["nvml_index"])
             rows.append([gpu["tf_name"], nvml_index, gpu["pci_bus_id"] or "N/A", gpu["physical_device_desc"]])
-        lines += _table(rows, right={1})
+        lines += table(rows, right={1}, header_rows=2)
     else:
         lines.append("  TensorFlow sees no GPU.")
     if tf["unmapped"]:

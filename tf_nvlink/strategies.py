@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import multi_worker, nvml, policy, tune, tune_cache, xla
+from tf_nvlink import cluster as cluster_lib
+from tf_nvlink import multi_worker, nvml, policy, rendezvous, tune, tune_cache, xla
 from tf_nvlink.topology import Topology
 
 log = logging.getLogger("tf_nvlink")
@@ -121,12 +122,14 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                 f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
                 f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
                 f"arguments returns it), or run the other configuration in its own process.")
-        cluster = None if cluster_resolver is not None else multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
+        cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
         if cluster_resolver is not None or cluster is not None:
             multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
             built, plan = multi_worker.build_strategy(
                 topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
-                peer_timeout_s=multi_worker.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+                peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+            # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
+            os.environ.update(plan.process_env)
         else:
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
         _CURRENT.update(key=key, strategy=built, plan=plan)

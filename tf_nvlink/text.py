@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 
 class StrictJsonError(ValueError):
@@ -66,13 +66,20 @@ def one_line_error(error, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def table(rows: Sequence[Sequence[str]], right: Sequence[int] = (), indent: str = "") -> list[str]:
-    """Rows of cells as aligned lines: columns as wide as their widest cell, those in `right` right-aligned.
+def table(rows: Sequence[Sequence[str]], right: Collection[int] = (), header_rows: int = 0) -> list[str]:
+    """Rows of cells as aligned lines: each column as wide as its widest cell, those in `right` right-aligned.
+
+    With `header_rows`, nccl-tests style: the first `header_rows` lines (names, units) start with "# ", the
+    others with two spaces.
 
     Example:
-        >>> table([["name", "GB/s"], ["nccl", "176"]], right=[1])
-        ['name  GB/s', 'nccl   176']
+        >>> table([["name", "GB/s"], ["nccl", "176"]], right={1}, header_rows=1)
+        ['# name  GB/s', '  nccl   176']
     """
-    widths = [max(len(row[c]) for row in rows if c < len(row)) for c in range(max(map(len, rows), default=0))]
-    return [indent + "  ".join(cell.rjust(widths[c]) if c in right else cell.ljust(widths[c])
-                               for c, cell in enumerate(row)).rstrip() for row in rows]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))] if rows else []
+    lines = []
+    for r, row in enumerate(rows):
+        cells = [cell.rjust(widths[c]) if c in right else cell.ljust(widths[c]) for c, cell in enumerate(row)]
+        lead = ("# " if r < header_rows else "  ") if header_rows else ""
+        lines.append(lead + "  ".join(cells).rstrip())
+    return lines
