@@ -140,7 +140,7 @@ def parse_tf_config(text: Optional[str]) -> Optional[ClusterConfig]:
 
 def _strict_json(text: str) -> Any:
     try:
-        return strict_loads(text)
+        return strict_loads(text, overflow_ok=True)  # an index of 1e999 is named as index=inf
     except StrictJsonError as error:
         if error.kind == "duplicate":
             raise TfConfigError(f"TF_CONFIG names the key {error.detail!r} twice in one object; JSON parsers "

@@ -43,10 +43,11 @@ def _no_duplicates(pairs):
     return result
 
 
-def strict_loads(text: str) -> Any:
-    """json.loads that rejects NaN, Infinity, numbers that overflow to infinity, and duplicate keys
-    (StrictJsonError, a ValueError; malformed JSON raises json.JSONDecodeError as usual)."""
-    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+def strict_loads(text: str, overflow_ok: bool = False) -> Any:
+    """json.loads that rejects NaN, Infinity, numbers that overflow to infinity (unless `overflow_ok`: the caller
+    checks its numbers itself and names the bad one), and duplicate keys (StrictJsonError, a ValueError;
+    malformed JSON raises json.JSONDecodeError as usual)."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=float if overflow_ok else _finite_float,
                       object_pairs_hook=_no_duplicates)
 
 
