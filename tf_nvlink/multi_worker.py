@@ -105,9 +105,7 @@ class MultiWorkerPlan:
         per_worker = self.local_gpu_count
         kind = f"{per_worker} GPU replica(s)" if per_worker else "1 CPU replica"
         role = " (chief)" if self.cluster.is_chief else ""
-        here = (f"GPUs {list(self.local.gpus)} ({self.local.shape}" if per_worker else "CPU (no GPU")
-        if self.local.nvlink_gbps:
-            here += f", {self.local.nvlink_gbps:.0f} GB/s per direction over NVLink"
+        here = policy.gpus_text(self.local.gpus, self.local.shape, self.local.nvlink_gbps, on_gpu=bool(per_worker))
         received = [w for w in self.workers if w is not None]
         if received:
             prints = sorted({w.fingerprint for w in received})
@@ -116,7 +114,7 @@ class MultiWorkerPlan:
         else:
             others = ""
         return (f"tf_nvlink plan: MultiWorkerMirroredStrategy, {self.cluster.worker_count} workers x {kind} = "
-                f"{self.num_replicas} replicas; this is {self.cluster.task}{role} at {self.cluster.address}: {here}) "
+                f"{self.num_replicas} replicas; this is {self.cluster.task}{role} at {self.cluster.address}: {here} "
                 f"-> CollectiveAllReduce {self.implementation}: {self.implementation_reason} "
                 f"[topology {self.local.fingerprint}{others}]")
 

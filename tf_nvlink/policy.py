@@ -60,12 +60,10 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the log and the report."""
-        where = f"GPUs {list(self.gpus)} ({self.shape}" if self.gpus else "CPU (no GPU"
-        if self.nvlink_gbps:
-            where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
+        where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
                 f"[topology {self.fingerprint}]")
 
     def to_dict(self) -> dict:
@@ -75,6 +73,20 @@ class Plan:
         record["requested"] = [list(v) if isinstance(v, tuple) else v for v in self.requested]
         record["tensorflow_class"] = OPS.get(self.cross_device_ops)
         return record
+
+
+def nvlink_text(gbps: float) -> str:
+    """", 478 GB/s per direction over NVLink" ("" without NVLink): how every plan line states the link speed."""
+    return f", {gbps:.0f} GB/s per direction over NVLink" if gbps else ""
+
+
+def gpus_text(gpus: Sequence[int], shape: str, gbps: float, prefix: str = "GPUs ", on_gpu: Optional[bool] = None,
+              cpu: str = "CPU (no GPU)") -> str:
+    """"GPUs [0, 1] (nvswitch, 478 GB/s per direction over NVLink)", or `cpu` when there is no GPU (`on_gpu`:
+    whether GPUs are used; default: whether `gpus` names any)."""
+    if not (bool(gpus) if on_gpu is None else on_gpu):
+        return cpu
+    return f"{prefix}{list(gpus)} ({shape}{nvlink_text(gbps)})"
 
 
 def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int]] = None) -> tuple[int, ...]:

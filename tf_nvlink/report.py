@@ -357,12 +357,7 @@ def _render_plans(data: dict) -> str:
 
 
 def _plan_where(plan: dict) -> str:
-    if not plan["gpus"]:
-        return "none (CPU)"
-    where = f"{plan['gpus']} ({plan['shape']}"
-    if plan.get("nvlink_gbps"):
-        where += f", {plan['nvlink_gbps']:.0f} GB/s per direction over NVLink"
-    return where + ")"
+    return policy.gpus_text(plan["gpus"], plan["shape"], plan.get("nvlink_gbps"), prefix="", cpu="none (CPU)")
 
 
 def _plan_ops(plan: dict) -> str:

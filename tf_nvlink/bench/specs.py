@@ -186,7 +186,7 @@ def resolve_target(devices: str = "gpu", gpus="all", topology=None) -> Target:
     if not chosen:
         raise BenchError(f"--gpus {gpus!r} selects no GPU among {list(visible)}.")
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
-    note = f", {gbps:.0f} GB/s per direction over NVLink" if gbps else ""
+    note = policy.nvlink_text(gbps)
     return Target("GPU", len(chosen), tuple(chosen), topology.fingerprint(), topology.kind(chosen), note)
 
 
