@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
+from tf_nvlink import devices as devices_lib
+from tf_nvlink import nvml
 from tf_nvlink.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
@@ -58,12 +60,10 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the log and the report."""
-        where = f"GPUs {list(self.gpus)} ({self.shape}" if self.gpus else "CPU (no GPU"
-        if self.nvlink_gbps:
-            where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
+        where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
                 f"[topology {self.fingerprint}]")
 
     def to_dict(self) -> dict:
@@ -73,6 +73,20 @@ class Plan:
         record["requested"] = [list(v) if isinstance(v, tuple) else v for v in self.requested]
         record["tensorflow_class"] = OPS.get(self.cross_device_ops)
         return record
+
+
+def nvlink_text(gbps: float) -> str:
+    """", 478 GB/s per direction over NVLink" ("" without NVLink): how every plan line states the link speed."""
+    return f", {gbps:.0f} GB/s per direction over NVLink" if gbps else ""
+
+
+def gpus_text(gpus: Sequence[int], shape: str, gbps: float, prefix: str = "GPUs ", on_gpu: Optional[bool] = None,
+              cpu: str = "CPU (no GPU)") -> str:
+    """"GPUs [0, 1] (nvswitch, 478 GB/s per direction over NVLink)", or `cpu` when there is no GPU (`on_gpu`:
+    whether GPUs are used; default: whether `gpus` names any)."""
+    if not (bool(gpus) if on_gpu is None else on_gpu):
+        return cpu
+    return f"{prefix}{list(gpus)} ({shape}{nvlink_text(gbps)})"
 
 
 def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int]] = None) -> tuple[int, ...]:
@@ -181,8 +195,8 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         chosen = parse_gpus(gpus, topology, visible)
     shape = topology.kind(chosen)
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
-    # "autotune" plans like "auto"; the strategy then swaps in the measured winner (it needs TensorFlow).
-    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops
+    # "autotune" plans like "auto"; `decide` then swaps in the measured winner (`Facts.tune_choice`).
+    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops  # `decide` adds the winner
     ops, packs, reason = _choose_ops(topology, chosen, shape, rule_request, num_packs)
     available = topology.indices if visible is None else tuple(visible)
     if isinstance(gpus, str) and gpus.strip().lower() == "auto" and 0 < len(chosen) < len(available):
@@ -246,3 +260,134 @@ def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, request
                 "PCIe/host memory elsewhere; hierarchical copy assumes the DGX-1 wiring and is not used")
     return ("nccl", packs, "PCIe only (no NVLink between these GPUs): NCCL's ring all-reduce is bandwidth-"
             "optimal over PCIe; reduce-to-one would funnel every gradient through one GPU's PCIe link")
+
+
+# ---- the final plan, from every fact the edges gather ------------------------------------------------------------
+
+TuneChoice = tuple  # (cross_device_ops, num_packs, reason), as `tune_cache.stored_choice` returns it
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the edges found out about this process, for `decide`. Plain data except `tune_choice`.
+
+    `visible`: NVML indices TensorFlow can see (CUDA_VISIBLE_DEVICES; None: all). `tf_gpu_count`: GPUs TensorFlow
+    lists (None: not asked, as in `tf-nvlink report --no-tf`). `no_gpu_cause`: why TensorFlow sees no GPU, when it
+    sees none. `nccl_available`: whether TensorFlow has NCCL's GPU kernels (None: not asked). `tune_choice`: the
+    tune winner for a set of GPUs, or None (reads the cache; for "autotune" it may measure).
+    """
+
+    topology: Topology
+    visible: Optional[tuple[int, ...]] = None
+    tf_gpu_count: Optional[int] = None
+    no_gpu_cause: str = ""
+    nccl_available: Optional[bool] = True
+    tune_choice: Optional[Callable[[tuple[int, ...]], Optional[TuneChoice]]] = None
+
+
+def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", num_packs: Optional[int] = None,
+           xla_allreduce: str = "auto", ops_instance: str = "") -> tuple[Plan, list[str]]:
+    """The plan `tf_nvlink.strategy()` builds from `facts`, and the warning lines to log. The report calls it too.
+
+    `ops_instance`: the class name of a `tf.distribute.CrossDeviceOps` instance the caller gave (then
+    `cross_device_ops` is "auto" and only the GPUs are chosen).
+
+    Example:
+        >>> plan, warnings = decide(Facts(nvml.probe(), tf_gpu_count=2))
+        >>> plan.cross_device_ops
+        'nccl'
+    """
+    topology, warnings = facts.topology, []
+    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
+        warnings.append(nvml.warnings_line(topology.warnings))
+    visible = facts.visible
+    if topology.gpus and facts.tf_gpu_count == 0:
+        warnings.append(f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none ({facts.no_gpu_cause}); "
+                        f"falling back to the CPU.")
+        visible = ()
+    elif topology.error and not facts.tf_gpu_count:
+        warnings.append(topology.error)  # no driver / NVML: the text ends with the CPU fallback
+    plan = make_plan(topology, gpus, cross_device_ops, num_packs, visible=visible, xla_allreduce=xla_allreduce)
+    if len(plan.gpus) > 1 and cross_device_ops in ("auto", "autotune") and num_packs is None and facts.tune_choice:
+        choice = facts.tune_choice(plan.gpus)
+        if choice is not None:
+            plan = dataclasses.replace(plan, cross_device_ops=choice[0], num_packs=choice[1], reason=choice[2])
+    if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") \
+            and facts.nccl_available is False:
+        plan, warning = without_nccl(plan)
+        warnings.append(warning)
+    if not plan.gpus and facts.tf_gpu_count and not topology.gpus:
+        warnings.append(f"TensorFlow sees {facts.tf_gpu_count} GPU(s) but NVML does not ("
+                        f"{topology.error or nvml.warnings_line(topology.warnings) or 'NVML lists no GPU'}); "
+                        f"mirroring over them with TensorFlow's default all-reduce.")
+        plan = dataclasses.replace(plan, cross_device_ops="collective", num_packs=None,
+                                   reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
+    if ops_instance:
+        plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
+                                   reason="a CrossDeviceOps instance given by the caller")
+    return plan, warnings
+
+
+def without_nccl(plan: Plan) -> tuple[Plan, str]:
+    """The plan for a TensorFlow without NCCL kernels, and the one warning line that says so.
+
+    NcclAllReduce becomes ReductionToOneDevice (copies over NVLink/PCIe); the XLA all-reduce stays split,
+    since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
+    """
+    ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
+    change = f"using {ops} instead of {plan.cross_device_ops}" if ops != plan.cross_device_ops else f"keeping {ops}"
+    warning = (f"this TensorFlow has no NCCL GPU kernels: {change}, and jit_compile=True models all-reduce "
+               f"outside XLA (split mode)")
+    return dataclasses.replace(
+        plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
+        xla_allreduce="split", reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
+                                      f"{plan.cross_device_ops}: {plan.reason})"), warning
+
+
+# ---- across workers --------------------------------------------------------------------------------------------
+
+def choose_implementation(topology: Topology, local_gpu_count: int,
+                          visible: Optional[Sequence[int]] = None) -> tuple[str, str]:
+    """("NCCL" | "RING", reason) for a worker with `local_gpu_count` GPUs; pure, no TensorFlow.
+
+    `visible` are the NVML indices of the worker's GPUs (default: the first `local_gpu_count` of those
+    `CUDA_VISIBLE_DEVICES` leaves).
+
+    Any GPU means NCCL, whatever the links; only the reason differs. TensorFlow's AUTO is no neutral default on
+    GPUs: TensorFlow 2.21 runs NCCL only when the hint says "nccl" (or ConfigProto's collective_nccl is set, which
+    MultiWorkerMirroredStrategy does in graph mode only: `CollectiveParamResolverLocal::AssignCollectiveType`), so
+    AUTO means its own gRPC ring, which copies every gradient through host memory. NCCL uses NVLink inside the
+    worker and InfiniBand/RoCE (or TCP sockets) between workers; a TensorFlow built without NCCL falls back to its
+    ring by itself. CPU-only workers get RING (NCCL needs GPUs).
+    """
+    if isinstance(local_gpu_count, bool) or not isinstance(local_gpu_count, int) or local_gpu_count < 0:
+        raise ValueError(f"local_gpu_count should be a non-negative integer. Received: "
+                         f"local_gpu_count={local_gpu_count!r}")
+    if local_gpu_count == 0:
+        if topology.gpus:
+            return ("RING", f"NVML sees {len(topology.gpus)} GPU(s) but this worker trains on none (TensorFlow "
+                    "without CUDA, or CUDA_VISIBLE_DEVICES hides them): TensorFlow's ring all-reduce over gRPC "
+                    "(NCCL needs GPUs)")
+        return "RING", "CPU-only worker: TensorFlow's ring all-reduce over gRPC (NCCL needs GPUs)"
+    if not topology.gpus:
+        return ("NCCL", f"{local_gpu_count} GPU(s) without NVML (interconnect unknown): NCCL all the same, since "
+                "TensorFlow's AUTO would mean its gRPC ring through host memory on GPUs")
+    if visible is None:
+        visible = devices_lib.visible_nvml_indices(topology)[:local_gpu_count]
+    visible = tuple(visible)
+    if len(visible) != local_gpu_count:
+        return ("NCCL", f"this worker trains on {local_gpu_count} GPU(s) but NVML maps {len(visible)} of them "
+                f"({list(visible)}), so their links are uncertain: NCCL all the same, since TensorFlow's AUTO would "
+                "mean its gRPC ring through host memory on GPUs")
+    shape = topology.kind(visible)
+    if shape == "single":
+        return ("NCCL", "one GPU per worker: NCCL all-reduces across workers (InfiniBand/RoCE when present, TCP "
+                "sockets otherwise); TensorFlow's AUTO would mean its gRPC ring through host memory")
+    if shape in ("nvswitch", "nvlink-all"):
+        link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
+        gbps = topology.min_pair_gbps(visible)
+        return ("NCCL", f"this worker's {len(visible)} GPUs reach each other {link} ({gbps:.0f} GB/s per "
+                "direction): NCCL all-reduces over NVLink inside the worker and over the network between workers")
+    what = "only some GPU pairs have NVLink" if shape == "nvlink-partial" else "PCIe only, no NVLink"
+    return ("NCCL", f"this worker's {len(visible)} GPUs: {what}; NCCL still (it routes over NVLink where it can "
+            "and PCIe elsewhere), since TensorFlow's AUTO would mean its gRPC ring through host memory")
