@@ -41,7 +41,7 @@ class FakeGpu:
     nvlink_version: int = 6  # NVML enum
     nvlink_supported: bool = True  # False: every NVLink call raises NotSupported (PCIe-only / consumer GPUs)
     lost: bool = False  # nvmlDeviceGetHandleByIndex raises GPU_IS_LOST
-    traffic_fields: bool = True  # False: NVLink throughput fields 138-141 answer NOT_SUPPORTED (older GPUs/drivers)
+    traffic_fields: tuple = (138, 139, 140, 141)  # fields answered; the others NOT_SUPPORTED (older GPUs: none)
     mig: Optional[int] = None  # nvmlDeviceGetMigMode's current mode (0 off, 1 on); None: NotSupported (no MIG)
     counters_kib: dict = dataclasses.field(default_factory=dict)  # {(field id, link): cumulative KiB}
 
@@ -321,7 +321,7 @@ def _fake_field_values(self, handle, fieldIds):
     answers = []
     for request in fieldIds:
         field_id, scope = request if isinstance(request, tuple) else (request, 0)
-        if field_id not in TRAFFIC_FIELD_IDS or not gpu.nvlink_supported or not gpu.traffic_fields:
+        if field_id not in gpu.traffic_fields or not gpu.nvlink_supported:
             answers.append(_field_value(field_id, scope, pynvml.NVML_ERROR_NOT_SUPPORTED))
         elif not 0 <= scope < len(gpu.links):
             answers.append(_field_value(field_id, scope, pynvml.NVML_ERROR_INVALID_ARGUMENT))
@@ -355,7 +355,9 @@ FakeNvml.nvmlDeviceGetMigMode = _fake_mig_mode
 
 def _spread(gpu: FakeGpu, field_id: int, kib: int) -> None:
     """Add `kib` over the GPU's active links evenly (the first links take the remainder), wrapping at 2**64."""
-    links = [i for i, link in enumerate(gpu.links) if link.active]
+    links = [i for i, link in enumerate(gpu.links) if link.active and gpu.nvlink_supported]
+    if not links:
+        return  # no NVLink: the bytes went over PCIe, which these counters do not see
     share, extra = divmod(kib, len(links))
     for n, link in enumerate(links):
         value = _counter(gpu, field_id, link) + share + (1 if n < extra else 0)

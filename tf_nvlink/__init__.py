@@ -12,7 +12,7 @@ so `tf-nvlink report --no-tf` answers instantly.
 
 __version__ = "0.1.0"
 
-__all__ = ["strategy", "current_plan", "probe", "__version__"]
+__all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -40,3 +40,12 @@ def probe(nvml=None):
     from tf_nvlink.nvml import probe as nvml_probe
 
     return nvml_probe(nvml)
+
+
+def __getattr__(name):
+    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.monitor), imported with Keras on first use."""
+    if name == "NVLinkMonitor":
+        from tf_nvlink import monitor
+
+        return monitor.NVLinkMonitor
+    raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")

@@ -280,8 +280,8 @@ class NvLinkCounterReader:
         >>> reader.unavailable                    # {} on 2x H200
     """
 
-    def __init__(self, gpus: Iterable[int], nvml: Any = None):
-        self.gpus = tuple(int(g) for g in gpus)
+    def __init__(self, gpus: Optional[Iterable[int]] = None, nvml: Any = None):
+        self.gpus = tuple(int(g) for g in gpus) if gpus is not None else None  # None: every GPU NVML lists
         self._nvml = nvml
         self._initialised = False
         self._handles: dict[int, Any] = {}
@@ -292,7 +292,7 @@ class NvLinkCounterReader:
     @property
     def readable(self) -> tuple[int, ...]:
         """The GPUs whose counters `read()` returns."""
-        return tuple(g for g in self.gpus if g in self._requests)
+        return tuple(g for g in self.gpus or () if g in self._requests)
 
     def open(self) -> "NvLinkCounterReader":
         nvml = self._nvml
@@ -308,6 +308,11 @@ class NvLinkCounterReader:
         except OSError as exc:
             return self._fail(f"cannot load NVML: {exc}")
         self._initialised = True
+        if self.gpus is None:
+            try:
+                self.gpus = tuple(range(nvml.nvmlDeviceGetCount()))
+            except nvml.NVMLError as exc:
+                return self._fail(f"NVML cannot count the GPUs: {exc}")
         for gpu in self.gpus:
             why = self._prepare(nvml, gpu)
             if why:
@@ -316,7 +321,7 @@ class NvLinkCounterReader:
 
     def _fail(self, why: str) -> "NvLinkCounterReader":
         self.error = why
-        self.unavailable = {gpu: why for gpu in self.gpus}
+        self.unavailable = {gpu: why for gpu in self.gpus or ()}
         return self
 
     def _prepare(self, nvml: Any, gpu: int) -> Optional[str]:

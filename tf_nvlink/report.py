@@ -373,10 +373,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--no-tf", dest="no_tf", action="store_true",
                         help="skip TensorFlow (NVML facts only; instant, does not touch the GPUs)")
+    from tf_nvlink import monitor  # noqa: PLC0415 - NVLink traffic sampling lives with the NVLinkMonitor
+
+    monitor.add_traffic_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """`tf-nvlink report`: print the report; 0 also on a machine without GPUs."""
+    if getattr(args, "nvlink_traffic", None) is not None:
+        from tf_nvlink import monitor  # noqa: PLC0415
+
+        return monitor.traffic_command(args.nvlink_traffic, as_json=args.json)
     if not args.no_tf:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter off the report
     data = collect(with_tf=not args.no_tf)
