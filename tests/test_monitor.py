@@ -335,3 +335,25 @@ def test_fit_without_usable_counters_says_why_in_one_line_and_adds_no_keys(fits,
     assert len(run["lines"]) == 1
     assert run["lines"][0].startswith("NVLinkMonitor: no NVLink traffic figures: unavailable because " + reason)
     assert run["unavailable"].startswith(reason)
+
+
+def test_mnist_mlp_monitor_nvlink_flag_shows_the_figures_in_each_epoch_line(tmp_path):
+    from test_examples import _with_cpu_replicas
+
+    before_main = """
+        import functools, fake_nvml, tf_nvlink
+        from tf_nvlink import monitor
+        machine = fake_nvml.h200_x2()   # no traffic on its counters: the all-reduce ran on CPU replicas
+        tf_nvlink.NVLinkMonitor = functools.partial(monitor.NVLinkMonitor, gpus=[0, 1],
+                                                    nvml=fake_nvml.FakeNvml(machine))
+        """
+    code = "import sys; sys.path.insert(0, 'tests')\n" + _with_cpu_replicas(
+        2, ["--monitor_nvlink", "--epochs", "2", "--steps_per_epoch", "3", "--dataset", "digits", "--model_dir",
+            str(tmp_path)], before_main=before_main)
+    result = run_python(code, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    epoch_lines = [line for line in result.stdout.splitlines() if "loss:" in line]
+    assert len(epoch_lines) == 2 and all("nvlink_bytes_per_step: 0.0000e+00" in line and "nvlink_gbps: 0.0000e+00"
+                                         in line for line in epoch_lines), result.stdout
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "NVLinkMonitor:" in line]
+    assert len(said) == 1 and "NVLink carried 0% of the expected all-reduce bytes" in said[0], said

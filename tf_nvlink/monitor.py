@@ -279,6 +279,19 @@ def measure_read_seconds(reader: NvLinkCounterReader, reads: int = 100) -> float
     return (time.perf_counter() - started) / reads
 
 
+def bench_record(callback: Any) -> dict:
+    """What a benchmark records from an NVLinkMonitor after `fit`: NVLink bytes per step per GPU (median of the
+    epochs after the first, which compiles), the expected all-reduce bytes, GB/s, or why there is no figure."""
+    epochs = callback.history[1:] or callback.history
+    if not epochs:
+        return {"nvlink_bytes_per_step": None, "nvlink_expected_bytes_per_step": None, "nvlink_gbps": None,
+                "nvlink_unavailable": callback.unavailable or "no epoch measured"}
+    middle = sorted(epochs, key=lambda e: e.bytes_per_step)[len(epochs) // 2]
+    return {"nvlink_bytes_per_step": middle.bytes_per_step,
+            "nvlink_expected_bytes_per_step": middle.expected_bytes_per_step, "nvlink_gbps": middle.gbps,
+            "nvlink_unavailable": None}
+
+
 # ---- the Keras callback ---------------------------------------------------------------------------------------
 
 class EpochTraffic(NamedTuple):
@@ -298,7 +311,10 @@ def _strategy_gpus(strategy: Any, nvml: Any = None) -> tuple[Optional[tuple[int,
     plan = getattr(strategy, "plan", None)
     if plan is not None and plan.gpus:
         return tuple(plan.gpus), None
-    names = list(getattr(strategy.extended, "worker_devices", ()))
+    try:
+        names = list(strategy.extended.worker_devices)
+    except (AttributeError, RuntimeError):  # the default strategy has none
+        names = []
     gpu_names = [n for n in names if "GPU" in n.upper().rsplit("/", 1)[-1]]
     if not gpu_names:
         return None, f"the strategy runs on {names or 'the default device'}, no GPU: nothing crosses NVLink"
@@ -401,7 +417,10 @@ def _make_callback_class():
 
         def _start(self) -> Optional[str]:
             strategy = self.model.distribute_strategy
+            replicas = int(strategy.num_replicas_in_sync)
             gpus = self.gpus
+            if gpus is None and replicas < 2:
+                return "one replica (no multi-GPU strategy): nothing is all-reduced over NVLink"
             if gpus is None:
                 gpus, why = _strategy_gpus(strategy, self.nvml)
                 if why:
@@ -417,9 +436,8 @@ def _make_callback_class():
                 log.warning("NVLinkMonitor: watching GPUs %s only; %s", list(reader.readable),
                             "; ".join(f"GPU {g}: {w}" for g, w in sorted(reader.unavailable.items())))
             self._reader = reader
-            replicas = max(int(strategy.num_replicas_in_sync), 1)
             self.expected_bytes_per_step = expected_allreduce_bytes(
-                gradient_bytes(self.model.trainable_variables, self.gradient_dtype), replicas)
+                gradient_bytes(self.model.trainable_variables, self.gradient_dtype), max(replicas, 1))
             return None
 
         def _read(self) -> dict:
