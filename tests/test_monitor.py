@@ -280,6 +280,7 @@ def fit(machine, gpus=None, nvlink=True, tensorboard=None, epochs=2):
     return {"keys": sorted(history.history), "history": {k: v for k, v in history.history.items() if "nvlink" in k},
             "lines": list(lines), "expected": mon.expected_bytes_per_step, "unavailable": mon.unavailable,
             "steps": [e.steps for e in mon.history], "reads": len(mon.read_seconds),
+            "batch_gbps": [[e, b, sorted(g)] for e, b, g in mon.batch_gbps], "bench": monitor.bench_record(mon),
             "overhead": mon.read_overhead()}
 
 out = {"grad_bytes": grad_bytes, "tb": sys.argv[1]}
@@ -312,6 +313,10 @@ def test_fit_logs_nvlink_bytes_per_step_equal_to_the_simulated_allreduce(fits):
     assert all(gbps > 0 for gbps in run["history"]["nvlink_gbps"])
     assert run["lines"] == []  # close to expected: nothing to say; GPUs 5-6's traffic was ignored
     assert run["reads"] == 2 * 2 + 2  # epoch begin + end, and batch 2 of each epoch (every_n_batches=2)
+    assert run["batch_gbps"] == [[0, 2, [0, 1, 2, 3]], [1, 2, [0, 1, 2, 3]]]
+    bench = run["bench"]
+    assert bench["nvlink_expected_bytes_per_step"] == expected and bench["nvlink_unavailable"] is None
+    assert bench["nvlink_bytes_per_step"] == run["history"]["nvlink_bytes_per_step"][1]  # epochs after the first
     assert 0 <= run["overhead"] < 1
     assert any(name.startswith("events.out.tfevents") for name in fits["tb_files"])  # beside TensorBoard's logs
 
@@ -335,6 +340,8 @@ def test_fit_without_usable_counters_says_why_in_one_line_and_adds_no_keys(fits,
     assert len(run["lines"]) == 1
     assert run["lines"][0].startswith("NVLinkMonitor: no NVLink traffic figures: unavailable because " + reason)
     assert run["unavailable"].startswith(reason)
+    assert run["bench"] == {"nvlink_bytes_per_step": None, "nvlink_expected_bytes_per_step": None,
+                            "nvlink_gbps": None, "nvlink_unavailable": run["unavailable"]}
 
 
 def test_mnist_mlp_monitor_nvlink_flag_shows_the_figures_in_each_epoch_line(tmp_path):

@@ -371,7 +371,7 @@ def _make_callback_class():
 
         Args:
             gpus: NVML indices to watch; default: the strategy's GPUs (tf_nvlink's plan, else by PCI bus id).
-            every_n_batches: also read every N batches and write GB/s over those batches to TensorBoard.
+            every_n_batches: also read every N batches: GB/s over those batches in `batch_gbps` and TensorBoard.
             gradient_dtype: the dtype of the all-reduced gradients (default: each trainable variable's own).
             log_dir: where TensorBoard logs go (default: the TensorBoard callback's log_dir, if any).
             nvml: a pynvml stand-in (tests).
@@ -395,6 +395,7 @@ def _make_callback_class():
             self.history: list[EpochTraffic] = []
             self.unavailable: Optional[str] = None  # why nothing is measured, once known
             self.read_seconds: list[float] = []  # each counter read's own time (the monitor's cost)
+            self.batch_gbps: list = []  # every_n_batches: (epoch, batch, {gpu: (TX GB/s, RX GB/s)}) since the last
             self.expected_bytes_per_step = 0.0
             self._reader: Optional[NvLinkCounterReader] = None
             self._writer = None
@@ -402,7 +403,8 @@ def _make_callback_class():
 
         # -- set-up ------------------------------------------------------------------------------------------
         def on_train_begin(self, logs=None):
-            self.history, self.read_seconds, self._said_verdict = [], [], False
+            self.history, self.read_seconds, self.batch_gbps, self._said_verdict = [], [], [], False
+            self._epoch = self._batches = self._global_batch = 0
             log_dir = self.log_dir or _tensorboard_log_dir(self)
             why = self._start()
             if why:
@@ -450,16 +452,18 @@ def _make_callback_class():
         def on_epoch_begin(self, epoch, logs=None):
             if self._reader is not None:
                 self._epoch_start = self._interval_start = self._read()
-                self._batches = 0
+                self._global_batch += self._batches
+                self._epoch, self._batches = epoch, 0
 
         def on_train_batch_begin(self, batch, logs=None):
             if self._reader is None:
                 return
             self._batches = batch + 1
-            if self.every_n_batches and batch and batch % self.every_n_batches == 0 and self._writer is not None:
+            if self.every_n_batches and batch and batch % self.every_n_batches == 0:
                 now = self._read()
-                self._write(traffic_delta(self._interval_start, now), "nvlink_batch",
-                            len(self.history) * 1_000_000 + batch)
+                traffic = traffic_delta(self._interval_start, now)
+                self.batch_gbps.append((self._epoch, batch, {g: (t.tx_gbps, t.rx_gbps) for g, t in traffic.items()}))
+                self._write(traffic, "nvlink_batch", self._global_batch + batch)
                 self._interval_start = now
 
         def on_epoch_end(self, epoch, logs=None):
