@@ -206,12 +206,18 @@ def test_sample_traffic_renders_gbps_per_gpu_and_reasons():
         monitor.sample_traffic(0)
 
 
-def test_report_command_samples_traffic(capsys):
+def test_report_command_samples_traffic(capsys, monkeypatch):
     from tf_nvlink.__main__ import main
 
-    code = main(["report", "--nvlink_traffic", "0.01"])  # this machine has no NVIDIA driver
-    out = capsys.readouterr().out
-    assert out.startswith("NVLink traffic: unavailable because ") and code == 1
+    monkeypatch.setattr(nvml, "_load_pynvml", lambda: FakeNvml(fake_nvml.h200_x2()))  # same on GPU machines
+    assert main(["report", "--nvlink_traffic", "0.01"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "NVLink traffic over 0.01 s (NVML throughput counters, GB/s; all processes):"
+    assert [line.split() for line in lines[2:]] == [["0", "0.00", "0.00", "18", "payload"],
+                                                    ["1", "0.00", "0.00", "18", "payload"]]
+    monkeypatch.setattr(nvml, "_load_pynvml", lambda: FakeNvml(fake_nvml.no_driver()))
+    assert main(["report", "--nvlink_traffic", "0.01", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"].startswith("no NVIDIA driver / NVML (nvmlInit failed")
 
 
 def test_benchmark_snapshot_and_delta():
