@@ -130,7 +130,10 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         def on_epoch_end(self, epoch, logs=None):
             timings.append(time.perf_counter() - self.start)
 
-    model.fit(dataset, steps_per_epoch=steps, epochs=3, verbose=0, callbacks=[Timer()])
+    from tf_nvlink import monitor, nvlink_traffic  # NVLink bytes per step (unavailable: the record says why)
+
+    nvlink = monitor.NVLinkMonitor()
+    model.fit(dataset, steps_per_epoch=steps, epochs=3, verbose=0, callbacks=[Timer(), nvlink])
     seconds = min(timings[1:])  # epoch 0 compiles; the best of the rest is the least disturbed
     gradient_tensors = len(model.trainable_variables)
     return {
@@ -142,6 +145,7 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         "plan": plan.summary() if plan else None, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
         # "fused": the gradient all-reduce ran inside XLA, where TensorFlow uses its collective whatever the ops
         "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
+        **nvlink_traffic.bench_record(nvlink),
     }
 
 
