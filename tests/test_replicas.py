@@ -218,3 +218,61 @@ def test_keras_internals_the_sync_relies_on():
     model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dropout(0.1)])
     assert [v.path for v in replicas.state_variables(model)] == [layer.moving_mean.path, layer.moving_variance.path]
     assert {v.aggregation for v in replicas.state_variables(model)} == {"none"}
+
+
+_WORKER = r"""
+import json, os, sys
+import tf_nvlink
+strategy = tf_nvlink.strategy()  # TF_CONFIG: 2 CPU workers on localhost; first, before any TensorFlow op
+import numpy as np, tensorflow as tf, keras
+from tf_nvlink import replicas
+worker = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+rng = np.random.default_rng(worker)
+x = (3.0 * worker + rng.normal(size=(128, 5))).astype("float32")  # each worker's own data, another mean
+y = rng.normal(size=(128, 1)).astype("float32")
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64).with_options(options)
+with strategy.scope():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=sys.argv[1] == "jit")
+model.fit(dataset, epochs=2, verbose=0)
+print(json.dumps({"moving_mean": model.layers[0].moving_mean.numpy().tolist(),
+                  "moving_variance": model.layers[0].moving_variance.numpy().tolist()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync, jit", [("1", "nojit"), ("0", "nojit"), ("1", "jit")])
+def test_multi_worker_replicas_agree(sync, jit):
+    """Two CPU workers (MultiWorkerMirroredStrategy over localhost), each with its own data: with the sync the
+    workers end with the same moving statistics; without it each keeps its own."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from tf_nvlink.workers import free_ports
+
+    cluster = {"worker": [f"localhost:{port}" for port in free_ports(2)]}
+    processes = []
+    for index in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+                   TF_NVLINK_SYNC_NON_TRAINABLE=sync,
+                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        processes.append(subprocess.Popen([sys.executable, "-c", _WORKER, jit], env=env, cwd=ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0, stderr[-3000:]
+            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for name in ("moving_mean", "moving_variance"):
+        gap = float(np.max(np.abs(np.array(outputs[0][name]) - np.array(outputs[1][name]))))
+        assert gap < 1e-6 if sync == "1" else gap > 0.5, (name, outputs)

@@ -156,16 +156,20 @@ def _devices_all_gpu(strategy) -> bool:
 
 def check_synchronized_batch_norm(model, jit: bool) -> None:
     """Refuse `BatchNormalization(synchronized=True)` where its all-reduce cannot run: inside XLA on replicas
-    that are not all GPUs (TensorFlow needs a merge_call there, which XLA cannot hold)."""
-    if not jit or _devices_all_gpu(model.distribute_strategy):
+    that are not all GPUs (TensorFlow needs a merge_call there, which XLA cannot hold), or across workers (an
+    all-reduce compiled into XLA cannot span processes)."""
+    strategy = model.distribute_strategy
+    several_workers = getattr(strategy.extended, "_num_workers", 1) > 1  # XLA's NCCL cannot span processes
+    if not jit or _devices_all_gpu(strategy) and not several_workers:
         return
     synced = [layer.name for layer in _layers(model) if getattr(layer, "synchronized", False)]
     if synced:
         raise SynchronizedBatchNormError(
             f"BatchNormalization(synchronized=True) ({', '.join(synced)}) cannot all-reduce its batch statistics "
-            f"inside XLA on replicas that are not all GPUs (devices: "
-            f"{list(model.distribute_strategy.extended.worker_devices)}). Compile with jit_compile=False, or use "
-            f"synchronized=False: tf_nvlink averages the moving statistics across replicas after every step.")
+            f"inside XLA on replicas that are not all GPUs of one process (devices: "
+            f"{list(strategy.extended.worker_devices)}{', several workers' if several_workers else ''}). "
+            f"Compile with jit_compile=False, or use synchronized=False: tf_nvlink averages the moving "
+            f"statistics across replicas after every step.")
 
 
 def _layers(model):
