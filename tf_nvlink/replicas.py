@@ -111,7 +111,8 @@ def sync_non_trainable(model_or_variables, variables: Optional[Iterable] = None)
 
     Call it in replica context (inside the function given to `strategy.run`), after the step that updated the
     state; every replica must call it with the same variables. With a model, it averages `state_variables(model)`
-    (or the given subset `variables`). Outside a multi-replica context it does nothing.
+    (or the given subset `variables`: a frozen backbone's statistics, which nobody writes, need no all-reduce).
+    Outside a multi-replica context it does nothing.
 
     Example (custom training loop):
         >>> def step_fn(x, y):
