@@ -123,6 +123,7 @@ def install_keras_hooks() -> str | None:
 
         trainer._make_function = _make_function
         trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+        _install_optimizer_hooks()
         return None
 
 
@@ -139,7 +140,8 @@ def uninstall_keras_hooks() -> None:
     with _INSTALL_LOCK:
         trainer = _keras_trainer_class()
         for name, original in _ORIGINALS.items():
-            setattr(trainer, name, original)
+            owner, _, attribute = name.rpartition(".")
+            setattr(_OPTIMIZER_CLASSES[owner]() if owner else trainer, attribute, original)
         _ORIGINALS.clear()
 
 
@@ -268,6 +270,79 @@ class PerReplicaXlaStep:
         return logs
 
 
+# Custom loops: what `optimizer.apply` does while one replica's copy of a jit step is traced (thread-local:
+# MirroredStrategy traces each replica in its own thread). Keras' optimizers that define `apply` are hooked.
+_OPTIMIZER_CLASSES: dict[str, Callable[[], type]] = {
+    "BaseOptimizer": lambda: __import__("keras.src.optimizers.base_optimizer",
+                                        fromlist=["BaseOptimizer"]).BaseOptimizer,
+    "LossScaleOptimizer": lambda: __import__("keras.src.optimizers.loss_scale_optimizer",
+                                             fromlist=["LossScaleOptimizer"]).LossScaleOptimizer,
+}
+_TRACING = threading.local()
+
+
+def _install_optimizer_hooks() -> None:
+    """Hook `apply` of Keras' optimizers (called with _INSTALL_LOCK held, after the trainer hooks)."""
+    for owner, load in _OPTIMIZER_CLASSES.items():
+        cls = load()
+        original = cls.__dict__["apply"]
+        _ORIGINALS[f"{owner}.apply"] = original
+
+        def apply(self, grads, trainable_variables=None, _original=original):
+            mode = getattr(_TRACING, "mode", None)
+            if mode is None or getattr(_TRACING, "depth", 0):
+                return _original(self, grads, trainable_variables)
+            if mode == "catch":
+                _TRACING.caught.append((self, list(grads), trainable_variables))
+                return None
+            _TRACING.depth = 1
+            try:
+                with _replica_local(_only_first_replica_variables(self)), _agreed_finite_check(self):
+                    return _original(self, grads, trainable_variables)
+            finally:
+                _TRACING.depth = 0
+
+        cls.apply = apply
+
+
+@contextlib.contextmanager
+def _optimizer_calls(mode: str):
+    """While tracing one replica's copy of a custom-loop step: "catch" records every outermost
+    `optimizer.apply(grads, variables)` instead of running it (split mode, the update runs after XLA);
+    "replica_local" runs it with the optimizer's step counters kept per replica (fused mode)."""
+    saved = (getattr(_TRACING, "mode", None), getattr(_TRACING, "caught", None), getattr(_TRACING, "depth", 0))
+    _TRACING.mode, _TRACING.caught, _TRACING.depth = mode, [], 0
+    try:
+        yield _TRACING.caught
+    finally:
+        _TRACING.mode, _TRACING.caught, _TRACING.depth = saved
+
+
+@contextlib.contextmanager
+def _agreed_finite_check(optimizer):
+    """Fused mode, LossScaleOptimizer: every replica skips or applies the step together.
+
+    Without merge_call each replica checks its own (not yet all-reduced) gradients for inf/NaN; the replicas
+    could disagree, and a replica that skips would leave the others' all-reduce waiting. The check is
+    all-reduced instead: the step is applied only when every replica's gradients are finite."""
+    check_finite = getattr(optimizer, "check_finite", None)
+    context = tf.distribute.get_replica_context()
+    if check_finite is None or not hasattr(optimizer, "inner_optimizer") or context is None \
+            or context.num_replicas_in_sync < 2:
+        yield
+        return
+
+    def agreed(grads):
+        not_finite = tf.cast(tf.logical_not(check_finite(grads)), tf.float32)
+        return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, not_finite), 0.0)
+
+    optimizer.check_finite = agreed
+    try:
+        yield
+    finally:
+        del optimizer.check_finite
+
+
 def _in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
 
@@ -288,38 +363,144 @@ class PerReplicaXlaStrategyMixin:
         """"fused" or "split": how jit_compile=True models all-reduce (see the module doc)."""
         return self._tf_nvlink_plan.xla_allreduce if self._tf_nvlink_plan else "split"
 
+    @property
+    def _custom_loop_mode(self) -> str:
+        return "fused" if fused_allreduce_possible(self) and self.xla_allreduce == "fused" else "split"
+
     def run(self, fn, args=(), kwargs=None, options=None):
-        if self.num_replicas_in_sync > 1 and _HOOK_PROBLEM[0] and _in_xla_context():
-            raise UnsupportedKerasError(
-                f"XLA across replicas is not possible with this Keras: {_HOOK_PROBLEM[0]}. tf_nvlink supports "
-                f"Keras {'.'.join(map(str, TESTED_KERAS[0]))} to {'.'.join(map(str, TESTED_KERAS[1]))}; "
-                "compile with jit_compile=False or install a supported Keras.")
-        target = getattr(fn, "__wrapped__", fn)
+        if self.num_replicas_in_sync > 1 and _in_xla_context():
+            if _HOOK_PROBLEM[0]:
+                raise UnsupportedKerasError(
+                    f"XLA across replicas is not possible with this Keras: {_HOOK_PROBLEM[0]}. tf_nvlink supports "
+                    f"Keras {'.'.join(map(str, TESTED_KERAS[0]))} to {'.'.join(map(str, TESTED_KERAS[1]))}; "
+                    "compile with jit_compile=False or install a supported Keras.")
+            raise ValueError(
+                "strategy.run() was called inside a tf.function(jit_compile=True): one XLA program cannot span "
+                f"the {self.num_replicas_in_sync} replicas (TensorFlow would fail with 'Trying to access "
+                "resource ... replica_1'). Put jit_compile=True on the step function you pass to strategy.run "
+                "and keep the function around strategy.run a plain tf.function:\n"
+                "    @tf.function(jit_compile=True)\n    def step(x, y): ...\n"
+                "    @tf.function\n    def train(x, y): return strategy.run(step, args=(x, y))\n"
+                "tf_nvlink compiles one copy of `step` per replica.")
+        target = fn if hasattr(fn, "python_function") else getattr(fn, "__wrapped__", fn)  # Keras wraps its own
         if self.num_replicas_in_sync > 1 and getattr(target, "_jit_compile", False) and hasattr(
                 target, "python_function"):
             fn = self._per_replica_copy(fn, target)
+            if tf.executing_eagerly():  # as MirroredStrategy does for a tf.function: run the replicas in a graph
+                return self._eager_runner(target, fn, options)(*args, **(kwargs or {}))
         return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _eager_runner(self, target, per_replica, options):
+        key = ("eager", id(target), id(options))
+        if key not in self._per_replica_functions:
+            run = super().run
+
+            def run_replicas(*call_args, **call_kwargs):
+                return run(per_replica, args=call_args, kwargs=call_kwargs, options=options)
+
+            self._per_replica_functions[key] = (target, tf.function(run_replicas, autograph=False))
+        return self._per_replica_functions[key][1]
 
     def _per_replica_copy(self, fn, target):
         if not hasattr(self, "_per_replica_functions"):
             self._per_replica_functions = {}
         key = id(target)
         if key not in self._per_replica_functions:
-            copies: dict[int, Any] = {}
-            lock = threading.Lock()
-            python_function = target.python_function
             unwrap_optionals = fn is not target  # Keras' _autoconvert_optionals wrapper
+            step = PerReplicaCustomStep(target.python_function, self._custom_loop_mode,
+                                        autograph=getattr(target, "_autograph", True))
 
             def per_replica(*call_args, **call_kwargs):
-                replica_id = _replica_id()
-                with lock:
-                    if replica_id not in copies:
-                        copies[replica_id] = tf.function(python_function, jit_compile=True,
-                                                         reduce_retracing=True)
                 if unwrap_optionals:
                     call_args = tf.nest.map_structure(
                         lambda x: None if isinstance(x, tf.experimental.Optional) else x, call_args)
-                return copies[replica_id](*call_args, **call_kwargs)
+                return step(*call_args, **call_kwargs)
 
+            per_replica.step = step
             self._per_replica_functions[key] = (target, per_replica)  # keep target alive: ids are reused
         return self._per_replica_functions[key][1]
+
+
+class PerReplicaCustomStep:
+    """One replica's compiled copy of a `jit_compile=True` function passed to `strategy.run` (custom loops,
+    Keras' predict step), so no XLA program spans two replicas.
+
+    - "fused" (all-GPU replicas, plan `xla_allreduce="fused"`): the whole function, `optimizer.apply_gradients`
+      and its gradient all-reduce included, is one XLA program per replica; the optimizer's step counters are
+      kept per replica (as in fit's fused mode).
+    - "split" (any device): the function is compiled with every `optimizer.apply`/`apply_gradients` call caught:
+      the gradients leave XLA, and the calls run right after, in the same order, outside XLA, where the
+      optimizer all-reduces through the plan's cross-device ops. Values the function computes after
+      `apply_gradients` (rare) see the weights before that update.
+
+    Example (what `strategy.run` does for a jit step under a tf_nvlink strategy):
+        >>> step = PerReplicaCustomStep(train_step.python_function, "split")
+        >>> strategy.run(step, args=(x, y))    # the mixin does this for you
+    """
+
+    def __init__(self, python_function: Callable, mode: str, autograph: bool = True):
+        if mode not in ("fused", "split"):
+            raise ValueError(f"mode should be 'fused' or 'split'. Received: mode={mode!r}")
+        self.python_function = python_function
+        self.mode = mode
+        self.autograph = autograph
+        self._compiled: dict[int, Any] = {}
+        self._updates: dict[int, list] = {}  # replica -> [(optimizer, variables or None)] of the traced calls
+        self._lock = threading.Lock()
+
+    def _body(self, replica_id: int) -> Callable:
+        python_function = self.python_function
+        if self.mode == "fused":
+            def fused(*args, **kwargs):
+                with _optimizer_calls("replica_local"):
+                    return python_function(*args, **kwargs)
+
+            return fused
+
+        def split(*args, **kwargs):
+            with _optimizer_calls("catch") as caught:
+                outputs = python_function(*args, **kwargs)
+            updates, grads = [], []
+            for optimizer, call_grads, variables in caught:
+                variables = None if variables is None else list(variables)
+                kept = [i for i, g in enumerate(call_grads) if g is not None]
+                if variables is not None:
+                    variables = [variables[i] for i in kept]
+                elif len(kept) != len(call_grads):
+                    raise ValueError("optimizer.apply(grads) without variables got None gradients; pass the "
+                                     "variables too: optimizer.apply_gradients(zip(grads, variables)).")
+                updates.append((optimizer, variables))
+                grads.append([call_grads[i] for i in kept])
+            previous = self._updates.get(replica_id)
+            if previous is not None and not _same_updates(previous, updates):
+                raise ValueError("A jit_compile=True step under a tf_nvlink strategy updated different optimizers "
+                                 "or variables when traced again (new input shapes?); tf_nvlink's split mode needs "
+                                 "the same optimizer calls on every trace. Use one step function per shape.")
+            self._updates[replica_id] = updates
+            return outputs, grads
+
+        return split
+
+    def _compiled_for(self, replica_id: int):
+        with self._lock:
+            if replica_id not in self._compiled:
+                self._compiled[replica_id] = tf.function(self._body(replica_id), jit_compile=True,
+                                                         reduce_retracing=True, autograph=self.autograph)
+            return self._compiled[replica_id]
+
+    def __call__(self, *args, **kwargs):
+        replica_id = _replica_id()
+        compiled = self._compiled_for(replica_id)
+        if self.mode == "fused":
+            return compiled(*args, **kwargs)
+        outputs, grads = compiled(*args, **kwargs)
+        for (optimizer, variables), call_grads in zip(self._updates.get(replica_id, ()), grads):
+            # Outside XLA: the optimizer all-reduces through the strategy's cross-device ops, then updates.
+            optimizer.apply(call_grads, variables)
+        return outputs
+
+
+def _same_updates(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        oa is ob and (va is None) == (vb is None) and (va is None or [id(v) for v in va] == [id(v) for v in vb])
+        for (oa, va), (ob, vb) in zip(a, b))

@@ -1,0 +1,151 @@
+"""Custom training loops with XLA under a tf_nvlink strategy (tf_nvlink/xla.py, `PerReplicaCustomStep`).
+
+The shape of TensorFlow's guide "Custom training with tf.distribute.Strategy": a `tf.function(jit_compile=True)`
+step that calls `optimizer.apply_gradients`, passed to `strategy.run` inside a plain `tf.function` loop (or
+eagerly). On 2 logical CPUs it runs in split mode (gradients in XLA, the update outside); fused mode's logic is
+checked without XLA, as tests/test_xla.py does for fit (XLA on CPU cannot compile collectives). Each run is its
+own process: one strategy per process.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_python
+
+_LOOP = r"""
+import json, sys
+import numpy as np, tensorflow as tf
+mode, runs = sys.argv[1], sys.argv[2:]
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink import xla
+if mode == "fused":  # fused mode without XLA: TensorFlow's no-merge_call path, as under XLA on all-GPU replicas
+    from tensorflow.python.distribute import mirrored_strategy
+    import dataclasses
+    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
+    xla.fused_allreduce_possible = lambda strategy: True
+    def compiled_without_jit(self, replica_id):
+        with self._lock:
+            if replica_id not in self._compiled:
+                self._compiled[replica_id] = tf.function(self._body(replica_id), autograph=self.autograph)
+            return self._compiled[replica_id]
+    xla.PerReplicaCustomStep._compiled_for = compiled_without_jit
+if mode == "single":
+    strategy = tf.distribute.get_strategy()
+else:
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"],
+                                  cross_device_ops="collective" if mode == "fused" else "auto")
+    if mode == "fused":
+        strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
+GLOBAL = 32
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+def copies(variable):
+    value = getattr(variable, "value", variable)
+    return [v.numpy().tolist() for v in getattr(value, "values", [value])]
+
+def train(precision, eager):
+    keras.mixed_precision.set_global_policy("mixed_float16" if precision == "mixed" else "float32")
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(4)])
+        optimizer = keras.optimizers.Adam(0.01)
+        if precision == "mixed":  # a huge first scale: the first steps overflow and are skipped
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 20)
+
+    @tf.function(jit_compile=True)
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=GLOBAL)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_epoch(batches):
+        total = tf.constant(0.0)
+        for xb, yb in batches:
+            total += strategy.reduce("SUM", strategy.run(step, args=(xb, yb)), axis=None)
+        return total
+
+    losses = []
+    for epoch in range(2):
+        batches = dataset if mode == "single" else strategy.experimental_distribute_dataset(dataset)
+        if eager:
+            losses.append(sum(float(strategy.reduce("SUM", strategy.run(step, args=b), axis=None)) for b in batches))
+        else:
+            losses.append(float(train_epoch(batches)))
+    counters = {v.path: copies(v) for v in optimizer.variables
+                if v.path.rsplit("/", 1)[-1] in ("iteration", "step_counter", "dynamic_scale")}
+    return {"loss": losses, "counters": counters, "weights": [copies(v) for v in model.trainable_variables]}
+
+results = {run: train(run.split("-")[0], run.endswith("-eager")) for run in runs}
+print(json.dumps(results))
+"""
+
+# Runs per process (one strategy per process): "<precision>[-eager]"; the single-device process is the reference.
+_RUNS = {"single": ["float32", "mixed"], "split": ["float32", "float32-eager", "mixed"], "fused": ["float32", "mixed"]}
+_RESULTS = {}
+
+
+def _train(mode, run="float32"):
+    if mode not in _RESULTS:
+        proc = run_python(["-c", _LOOP, mode, *_RUNS[mode]], timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _RESULTS[mode][run]
+
+
+def _assert_matches_single_device(multi, single, rtol=2e-3, atol=2e-4):
+    for replicas, (reference,) in zip(multi["weights"], single["weights"]):
+        assert len(replicas) == 2
+        np.testing.assert_array_equal(replicas[0], replicas[1])  # the replicas stay identical
+        np.testing.assert_allclose(replicas[0], reference, rtol=rtol, atol=atol)
+    for path, values in multi["counters"].items():
+        assert values == single["counters"][path] * 2, path  # every replica's counter, as on one device
+    np.testing.assert_allclose(multi["loss"], single["loss"], rtol=rtol)
+
+
+@pytest.mark.parametrize("mode, run", [("split", "float32"), ("split", "float32-eager"), ("fused", "float32")])
+def test_custom_loop_with_jit_step_matches_single_device(mode, run):
+    single, multi = _train("single"), _train(mode, run)
+    assert single["counters"] == {"adam/iteration": [8]}  # 128 / 32 x 2 epochs
+    assert multi["loss"][-1] < multi["loss"][0]
+    _assert_matches_single_device(multi, single)
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_loss_scale_optimizer_skips_overflowing_steps_on_every_replica(mode):
+    single, multi = _train("single", "mixed"), _train(mode, "mixed")
+    counters = single["counters"]
+    assert counters["loss_scale_optimizer/dynamic_scale"][0] < 2.0 ** 20  # the first steps overflowed: skipped
+    assert 0 < [v[0] for path, v in counters.items() if path.endswith("adam_1/iteration")][0] < 8  # some applied
+    _assert_matches_single_device(multi, single, rtol=2e-2, atol=2e-3)
+
+
+def test_jit_compile_around_strategy_run_names_the_supported_shape():
+    proc = run_python(r"""
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_nvlink
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    w = tf.Variable(1.0)
+@tf.function(jit_compile=True)
+def train(x):
+    return strategy.run(lambda v: w * v, args=(x,))
+train(tf.constant(2.0))
+""", timeout=300)
+    assert proc.returncode != 0
+    assert "ValueError: strategy.run() was called inside a tf.function(jit_compile=True)" in proc.stderr
+    assert "@tf.function(jit_compile=True)\n    def step" in proc.stderr
+    assert "Trying to access resource" not in proc.stderr
