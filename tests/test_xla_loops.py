@@ -15,7 +15,7 @@ import pytest
 from conftest import run_python
 
 _LOOP = r"""
-import json, sys
+import json, re, sys
 import numpy as np, tensorflow as tf
 mode, runs = sys.argv[1], sys.argv[2:]
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -83,7 +83,7 @@ def train(precision, eager):
             losses.append(sum(float(strategy.reduce("SUM", strategy.run(step, args=b), axis=None)) for b in batches))
         else:
             losses.append(float(train_epoch(batches)))
-    counters = {v.path: copies(v) for v in optimizer.variables
+    counters = {re.sub(r"adam(_[0-9]+)?/", "adam/", v.path): copies(v) for v in optimizer.variables
                 if v.path.rsplit("/", 1)[-1] in ("iteration", "step_counter", "dynamic_scale")}
     return {"loss": losses, "counters": counters, "weights": [copies(v) for v in model.trainable_variables]}
 
@@ -127,7 +127,7 @@ def test_loss_scale_optimizer_skips_overflowing_steps_on_every_replica(mode):
     single, multi = _train("single", "mixed"), _train(mode, "mixed")
     counters = single["counters"]
     assert counters["loss_scale_optimizer/dynamic_scale"][0] < 2.0 ** 20  # the first steps overflowed: skipped
-    assert 0 < [v[0] for path, v in counters.items() if path.endswith("adam_1/iteration")][0] < 8  # some applied
+    assert 0 < [v[0] for path, v in counters.items() if path.endswith("adam/iteration")][0] < 8  # some applied
     _assert_matches_single_device(multi, single, rtol=2e-2, atol=2e-3)
 
 
