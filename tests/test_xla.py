@@ -144,13 +144,13 @@ def test_keras_internals_the_hook_relies_on():
     version = tuple(int(p) for p in keras.__version__.split(".")[:2])
     assert xla.TESTED_KERAS[0] <= version <= xla.TESTED_KERAS[1], keras.__version__
     # Keras' own methods, also when an earlier test in this process installed the hooks over them.
-    make_function = inspect.getsource(xla._ORIGINALS.get("_make_function", TensorFlowTrainer._make_function))
+    make_function = inspect.getsource(xla._STATE.originals.get("_make_function", TensorFlowTrainer._make_function))
     assert "self.distribute_strategy.run(step_function" in make_function
     assert "jit_compile=self.jit_compile" in make_function
     assert "self._make_function(self.train_step)" in inspect.getsource(TensorFlowTrainer.make_train_function)
     assert "self._make_function(self.test_step)" in inspect.getsource(TensorFlowTrainer.make_test_function)
     assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
-    assert "Disable XLA with tf.distribute" in inspect.getsource(xla._ORIGINALS.get(
+    assert "Disable XLA with tf.distribute" in inspect.getsource(xla._STATE.originals.get(
         "_resolve_auto_jit_compile", TensorFlowTrainer._resolve_auto_jit_compile))
     assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
 

@@ -149,3 +149,23 @@ train(tf.constant(2.0))
     assert "ValueError: strategy.run() was called inside a tf.function(jit_compile=True)" in proc.stderr
     assert "@tf.function(jit_compile=True)\n    def step" in proc.stderr
     assert "Trying to access resource" not in proc.stderr
+
+
+def test_synchronized_batch_norm_in_split_mode_is_refused_clearly():
+    """SyncBatchNorm all-reduces its batch statistics with a merge_call on CPU replicas, which XLA cannot hold:
+    tf_nvlink names the layer and the ways out instead of TensorFlow's 'merge_call called while defining'."""
+    proc = run_python(r"""
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+""", timeout=300)
+    assert proc.returncode != 0
+    assert "CrossReplicaCallInXlaError" in proc.stderr, proc.stderr[-3000:]
+    assert "BatchNormalization(synchronized=True)" in proc.stderr and "xla_allreduce='fused'" in proc.stderr

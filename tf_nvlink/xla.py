@@ -5,8 +5,12 @@ spans all replicas and TensorFlow fails with "Trying to access resource .../repl
 from device GPU:0" (and for `jit_compile="auto"` Keras simply turns XLA off under any strategy, which costs 4.6x
 on ResNet-50). The fix has two parts:
 
-1. `PerReplicaXlaStrategyMixin.run` gives each replica its own compiled copy of any `jit_compile=True`
-   tf.function passed to `strategy.run` (Keras' predict step; custom loops).
+1. `PerReplicaXlaStrategyMixin.run` gives each replica its own compiled copy (`PerReplicaCustomStep`) of any
+   `jit_compile=True` tf.function passed to `strategy.run`: Keras' predict step, and custom training loops in
+   the shape of TensorFlow's guide (a jit step calling `optimizer.apply_gradients`, passed to `strategy.run`
+   inside a plain tf.function or eagerly), fused or split like fit below. A `tf.function(jit_compile=True)`
+   around `strategy.run` itself cannot work (one XLA program would span the replicas): it raises a ValueError
+   naming the supported shape.
 2. A hook on Keras' `TensorFlowTrainer._make_function` (train and test steps) keeps XLA off the function that
    spans the replicas and instead runs `train_step`/`test_step` through `PerReplicaXlaStep`, one compiled
    function per replica, in one of two ways (`Plan.xla_allreduce`):
@@ -23,6 +27,22 @@ tf_nvlink one; every other model runs Keras' code unchanged. The Keras internals
 `check_keras_support()` (and pinned by tests/test_xla.py); on a Keras without them, a jit-compiled fit under
 a multi-replica tf_nvlink strategy raises `UnsupportedKerasError` instead of failing deep inside TensorFlow.
 
+Split mode cannot hold anything else that merges across replicas inside the step (SyncBatchNorm,
+`replica_context.all_reduce`): that raises `CrossReplicaCallInXlaError`, which names the ways out.
+
+Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`; `reset_hooks_for_tests()`):
+- `TensorFlowTrainer._make_function` (replaced): keep XLA off the function spanning the replicas, run the step
+  per replica.
+- `TensorFlowTrainer._resolve_auto_jit_compile` (replaced): Keras turns "auto" XLA off under any strategy.
+- `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced; pass-through unless a per-replica step is being
+  traced in this thread): catch the update (split) or keep step counters per replica (fused) in custom loops.
+- `optimizer.apply` / `optimizer.check_finite` (instance attributes, only while one replica's step is traced):
+  fit's split catch; LossScaleOptimizer's finite check all-reduced in fused mode.
+- `optimizer._trainable_variables`, a mirrored variable's `_value` and `_get_on_device_or_primary()`
+  (`_replica_local`): the replica's own copy of an ONLY_FIRST_REPLICA counter.
+- `tf.function`'s `python_function`, `_jit_compile`, `_autograph`: recompile a user's jit function per replica.
+- `control_flow_util.GraphOrParentsInXlaContext`: detect `strategy.run` inside a jit function.
+
 `jit_compile="auto"` under a tf_nvlink strategy means XLA when Keras' own rule would enable it without a
 strategy (the model's layers support XLA and a GPU is present); on CPU-only machines it stays off, as in Keras.
 """
@@ -30,6 +50,7 @@ strategy (the model's layers support XLA and a GPU is present); on CPU-only mach
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable
@@ -41,8 +62,30 @@ log = logging.getLogger("tf_nvlink")
 # Keras versions whose trainer internals tests/test_xla.py pins (first, last tested minor version).
 TESTED_KERAS = ((3, 12), (3, 15))
 
-# Why the hooks could not be installed by the last `enable_per_replica_xla()` (None: installed).
-_HOOK_PROBLEM: list[str | None] = [None]
+
+
+@dataclasses.dataclass
+class HookState:
+    """Everything this module changes in Keras, in one place (the module's only state).
+
+    originals: Keras' own functions, by "method" (TensorFlowTrainer's) or "Class.method" (an optimizer's), while
+        the hooks are installed; empty when they are not.
+    problem: why the last `enable_per_replica_xla()` could not install them (None: installed, or never tried).
+    Tests put Keras back with `reset_hooks_for_tests()`.
+    """
+
+    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    problem: str | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_STATE = HookState()
+
+
+def reset_hooks_for_tests() -> None:
+    """Restore Keras' own methods and forget any install problem, as in a fresh process."""
+    uninstall_keras_hooks()
+    _STATE.problem = None
 
 
 class UnsupportedKerasError(RuntimeError):
@@ -83,38 +126,36 @@ def _per_replica_wanted(model) -> bool:
             and not model.run_eagerly)
 
 
-_INSTALL_LOCK = threading.Lock()
-_ORIGINALS: dict[str, Callable] = {}
 
 
 def install_keras_hooks() -> str | None:
     """Install the trainer hooks once; returns None when installed, else why not (and nothing is changed)."""
-    with _INSTALL_LOCK:
-        if _ORIGINALS:
+    with _STATE.lock:
+        if _STATE.originals:
             return None
         problem = check_keras_support()
         if problem:
             return problem
         trainer = _keras_trainer_class()
-        _ORIGINALS["_make_function"] = trainer._make_function
-        _ORIGINALS["_resolve_auto_jit_compile"] = trainer._resolve_auto_jit_compile
+        _STATE.originals["_make_function"] = trainer._make_function
+        _STATE.originals["_resolve_auto_jit_compile"] = trainer._resolve_auto_jit_compile
 
         def _make_function(self, step_function):
             if not _per_replica_wanted(self):
-                return _ORIGINALS["_make_function"](self, step_function)
+                return _STATE.originals["_make_function"](self, step_function)
             kind = "train" if step_function == self.train_step else "test"
             step = PerReplicaXlaStep(self, step_function, kind)
             saved = self._jit_compile
             self._jit_compile = False  # the function spanning the replicas must not be one XLA cluster
             try:
-                return _ORIGINALS["_make_function"](self, step)
+                return _STATE.originals["_make_function"](self, step)
             finally:
                 self._jit_compile = saved
 
         def _resolve_auto_jit_compile(self):
             strategy = self._distribute_strategy
             if not _is_tf_nvlink(strategy):
-                return _ORIGINALS["_resolve_auto_jit_compile"](self)
+                return _STATE.originals["_resolve_auto_jit_compile"](self)
             from keras.src.trainers.trainer import model_supports_jit  # noqa: PLC0415
 
             if not tf.config.list_logical_devices("GPU"):
@@ -130,19 +171,19 @@ def install_keras_hooks() -> str | None:
 def enable_per_replica_xla() -> None:
     """Install the trainer hooks for a tf_nvlink strategy being built; on a Keras without the internals they need,
     log why, and make a jit-compiled step under that strategy raise `UnsupportedKerasError`."""
-    _HOOK_PROBLEM[0] = install_keras_hooks()
-    if _HOOK_PROBLEM[0]:
-        log.warning("tf_nvlink: per-replica XLA unavailable: %s", _HOOK_PROBLEM[0])
+    _STATE.problem = install_keras_hooks()
+    if _STATE.problem:
+        log.warning("tf_nvlink: per-replica XLA unavailable: %s", _STATE.problem)
 
 
 def uninstall_keras_hooks() -> None:
     """Restore Keras' own trainer methods (tests use this to show what the hooks fix)."""
-    with _INSTALL_LOCK:
+    with _STATE.lock:
         trainer = _keras_trainer_class()
-        for name, original in _ORIGINALS.items():
+        for name, original in _STATE.originals.items():
             owner, _, attribute = name.rpartition(".")
             setattr(_OPTIMIZER_CLASSES[owner]() if owner else trainer, attribute, original)
-        _ORIGINALS.clear()
+        _STATE.originals.clear()
 
 
 def fused_allreduce_possible(strategy) -> bool:
@@ -262,7 +303,8 @@ class PerReplicaXlaStep:
         compiled = self._compiled_for(replica_id)
         if self.fused:
             return compiled(data)
-        logs, grads = compiled(data)
+        with _merge_call_explained():
+            logs, grads = compiled(data)
         variables = [v for _, v in self._applied_variables[replica_id]]
         if variables:
             # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
@@ -282,11 +324,11 @@ _TRACING = threading.local()
 
 
 def _install_optimizer_hooks() -> None:
-    """Hook `apply` of Keras' optimizers (called with _INSTALL_LOCK held, after the trainer hooks)."""
+    """Hook `apply` of Keras' optimizers (called with _STATE.lock held, after the trainer hooks)."""
     for owner, load in _OPTIMIZER_CLASSES.items():
         cls = load()
         original = cls.__dict__["apply"]
-        _ORIGINALS[f"{owner}.apply"] = original
+        _STATE.originals[f"{owner}.apply"] = original
 
         def apply(self, grads, trainable_variables=None, _original=original):
             mode = getattr(_TRACING, "mode", None)
@@ -369,9 +411,9 @@ class PerReplicaXlaStrategyMixin:
 
     def run(self, fn, args=(), kwargs=None, options=None):
         if self.num_replicas_in_sync > 1 and _in_xla_context():
-            if _HOOK_PROBLEM[0]:
+            if _STATE.problem:
                 raise UnsupportedKerasError(
-                    f"XLA across replicas is not possible with this Keras: {_HOOK_PROBLEM[0]}. tf_nvlink supports "
+                    f"XLA across replicas is not possible with this Keras: {_STATE.problem}. tf_nvlink supports "
                     f"Keras {'.'.join(map(str, TESTED_KERAS[0]))} to {'.'.join(map(str, TESTED_KERAS[1]))}; "
                     "compile with jit_compile=False or install a supported Keras.")
             raise ValueError(
@@ -493,11 +535,33 @@ class PerReplicaCustomStep:
         compiled = self._compiled_for(replica_id)
         if self.mode == "fused":
             return compiled(*args, **kwargs)
-        outputs, grads = compiled(*args, **kwargs)
+        with _merge_call_explained():
+            outputs, grads = compiled(*args, **kwargs)
         for (optimizer, variables), call_grads in zip(self._updates.get(replica_id, ()), grads):
             # Outside XLA: the optimizer all-reduces through the strategy's cross-device ops, then updates.
             optimizer.apply(call_grads, variables)
         return outputs
+
+
+class CrossReplicaCallInXlaError(ValueError):
+    """A split-mode step (XLA per replica, all-reduce outside) asked for a cross-replica merge inside XLA."""
+
+
+@contextlib.contextmanager
+def _merge_call_explained():
+    """TensorFlow's "merge_call called while defining a new graph" in a split-mode step, said in tf_nvlink's terms."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        raise CrossReplicaCallInXlaError(
+            "A jit_compile=True step running in tf_nvlink's split mode (CPU replicas, or xla_allreduce='split') "
+            "asked for a cross-replica merge inside XLA, which split mode cannot hold: "
+            "keras.layers.BatchNormalization(synchronized=True), tf.distribute.get_replica_context().all_reduce() "
+            "or merge_call() in the step. Use synchronized=False (or move the all-reduce out of the jit step), "
+            "fused mode (all-GPU replicas: tf_nvlink.strategy(xla_allreduce='fused')), or jit_compile=False. "
+            f"TensorFlow said: {error}") from error
 
 
 def _same_updates(a: list, b: list) -> bool:
