@@ -58,7 +58,7 @@ def train(precision, eager):
                                   keras.layers.Dense(4)])
         optimizer = keras.optimizers.Adam(0.01)
         if precision == "mixed":  # a huge first scale: the first steps overflow and are skipped
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 20)
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 15)
 
     @tf.function(jit_compile=True)
     def step(xb, yb):
@@ -126,7 +126,7 @@ def test_custom_loop_with_jit_step_matches_single_device(mode, run):
 def test_loss_scale_optimizer_skips_overflowing_steps_on_every_replica(mode):
     single, multi = _train("single", "mixed"), _train(mode, "mixed")
     counters = single["counters"]
-    assert counters["loss_scale_optimizer/dynamic_scale"][0] < 2.0 ** 20  # the first steps overflowed: skipped
+    assert counters["loss_scale_optimizer/dynamic_scale"][0] < 2.0 ** 15  # the first steps overflowed: skipped
     assert 0 < [v[0] for path, v in counters.items() if path.endswith("adam/iteration")][0] < 8  # some applied
     _assert_matches_single_device(multi, single, rtol=2e-2, atol=2e-3)
 
@@ -169,3 +169,83 @@ model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8
     assert proc.returncode != 0
     assert "CrossReplicaCallInXlaError" in proc.stderr, proc.stderr[-3000:]
     assert "BatchNormalization(synchronized=True)" in proc.stderr and "xla_allreduce='fused'" in proc.stderr
+
+
+_FIT_SCRIPT = r"""
+import json, sys
+import numpy as np, tensorflow as tf
+mode = sys.argv[1]
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink import xla
+if mode == "fused":  # fused mode without XLA (as in tests/test_xla.py)
+    from tensorflow.python.distribute import mirrored_strategy
+    import dataclasses
+    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
+    xla.fused_allreduce_possible = lambda strategy: True
+    def compiled_without_jit(self, replica_id):
+        with self._lock:
+            if replica_id not in self._compiled:
+                fn = self._fused_body() if self.kind == "train" else self.step_function
+                self._compiled[replica_id] = tf.function(fn, autograph=False)
+            return self._compiled[replica_id]
+    xla.PerReplicaXlaStep._compiled_for = compiled_without_jit
+if mode == "single":
+    strategy = tf.distribute.get_strategy()
+else:
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"],
+                                  cross_device_ops="collective" if mode == "fused" else "auto")
+    if mode == "fused":
+        strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+
+class OwnTrainStep(keras.Model):
+    # A subclassed model with its own train_step, as in Keras' "customizing fit" guide.
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)
+    def call(self, x):
+        return self.out(self.hidden(x))
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
+with strategy.scope():
+    keras.utils.set_random_seed(5)
+    model = OwnTrainStep()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=mode != "single", steps_per_execution=2,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+evaluation = model.evaluate(x, y, batch_size=32, verbose=0)
+predictions = model.predict(x[:40], batch_size=8, verbose=0)
+counter = model.optimizer.iterations.value
+print(json.dumps({"loss": history.history["loss"], "evaluate": evaluation, "predict": predictions.tolist(),
+                  "weights": [w.ravel().tolist() for w in model.get_weights()],
+                  "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_execution_match_single_device(mode):
+    """A subclassed model with its own train_step, steps_per_execution=2, then evaluate and predict: under
+    tf_nvlink with XLA (split; fused without XLA as in tests/test_xla.py) each equals single-device Keras."""
+    results = {}
+    for run in ("single", mode):
+        if run not in _RESULTS.setdefault("fit", {}):
+            proc = run_python(["-c", _FIT_SCRIPT, run], timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            _RESULTS["fit"][run] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[run] = _RESULTS["fit"][run]
+    single, multi = results["single"], results[mode]
+    assert single["iterations"] == [8] and multi["iterations"] == [8, 8]  # 128 / 32 x 2 epochs, every replica
+    np.testing.assert_allclose(multi["loss"], single["loss"], rtol=2e-3)
+    for a, b in zip(single["weights"], multi["weights"]):
+        np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-4)
+    np.testing.assert_allclose(multi["evaluate"], single["evaluate"], rtol=2e-3, atol=2e-4)
+    np.testing.assert_allclose(multi["predict"], single["predict"], rtol=2e-3, atol=2e-4)
