@@ -255,7 +255,7 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            with _replica_local(_only_first_replica_variables(optimizer)):
+            with _replica_local(_only_first_replica_variables(optimizer)), _agreed_finite_check(optimizer):
                 return step_function(data)
 
         return body
