@@ -209,13 +209,15 @@ print(json.dumps({"loss": losses, "weights": [w.tolist() for w in model.get_weig
 @needs_2_gpus
 @pytest.mark.parametrize("mode", ["fused", "split"])
 @pytest.mark.parametrize("precision", ["float32", "mixed"])
-def test_two_gpu_custom_loop_with_jit_step_matches_single_gpu(mode, precision):
+def test_two_gpu_custom_loop_with_jit_step_matches_single_gpu(mode, precision, tmp_path):
     """TensorFlow's custom-loop guide shape (a jit step with optimizer.apply_gradients passed to strategy.run):
     stock MirroredStrategy fails with "merge_call called while defining a new graph"; under tf_nvlink it trains
     and equals one GPU (mixed: LossScaleOptimizer skipping the first, overflowing steps on every replica)."""
     results = {}
     for run in ("single", mode):
-        proc = run_python(["-c", _CUSTOM_LOOP_SCRIPT, run, precision], timeout=600)
+        script = tmp_path / "custom_loop_step.py"  # from a file: AutoGraph needs the loop's source
+        script.write_text(_CUSTOM_LOOP_SCRIPT)
+        proc = run_python([str(script), run, precision], timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[run] = json.loads(proc.stdout.strip().splitlines()[-1])
     single, multi = results["single"], results[mode]

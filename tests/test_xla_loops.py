@@ -8,6 +8,8 @@ own process: one strategy per process.
 """
 
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,11 +96,20 @@ print(json.dumps(results))
 # Runs per process (one strategy per process): "<precision>[-eager]"; the single-device process is the reference.
 _RUNS = {"single": ["float32", "mixed"], "split": ["float32", "float32-eager", "mixed"], "fused": ["float32", "mixed"]}
 _RESULTS = {}
+_SCRIPTS = Path(tempfile.mkdtemp(prefix="tf_nvlink_xla_loops_"))
+
+
+def _run_script(code, *args, timeout=600):
+    """Run `code` from a file: AutoGraph converts a tf.function's loops only when it can read their source
+    (`python -c` code it cannot; a `for` over a dataset then never finishes tracing)."""
+    path = _SCRIPTS / f"script_{abs(hash(code))}.py"
+    path.write_text(code)
+    return run_python([str(path), *args], timeout=timeout)
 
 
 def _train(mode, run="float32"):
     if mode not in _RESULTS:
-        proc = run_python(["-c", _LOOP, mode, *_RUNS[mode]], timeout=600)
+        proc = _run_script(_LOOP, mode, *_RUNS[mode])
         assert proc.returncode == 0, proc.stderr[-3000:]
         _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     return _RESULTS[mode][run]
@@ -132,7 +143,7 @@ def test_loss_scale_optimizer_skips_overflowing_steps_on_every_replica(mode):
 
 
 def test_jit_compile_around_strategy_run_names_the_supported_shape():
-    proc = run_python(r"""
+    proc = _run_script(r"""
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -154,7 +165,7 @@ train(tf.constant(2.0))
 def test_synchronized_batch_norm_in_split_mode_is_refused_clearly():
     """SyncBatchNorm all-reduces its batch statistics with a merge_call on CPU replicas, which XLA cannot hold:
     tf_nvlink names the layer and the ways out instead of TensorFlow's 'merge_call called while defining'."""
-    proc = run_python(r"""
+    proc = _run_script(r"""
 import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -238,7 +249,7 @@ def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_executio
     results = {}
     for run in ("single", mode):
         if run not in _RESULTS.setdefault("fit", {}):
-            proc = run_python(["-c", _FIT_SCRIPT, run], timeout=600)
+            proc = _run_script(_FIT_SCRIPT, run)
             assert proc.returncode == 0, proc.stderr[-3000:]
             _RESULTS["fit"][run] = json.loads(proc.stdout.strip().splitlines()[-1])
         results[run] = _RESULTS["fit"][run]
