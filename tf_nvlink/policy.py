@@ -30,7 +30,7 @@ OPS = {
 OPS_CHOICES = ("auto", "autotune") + tuple(OPS)
 # Ops that pack gradients into `num_packs` buffers (tf.distribute.AllReduceCrossDeviceOps).
 PACKED_OPS = ("nccl", "hierarchical")
-# How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla.py).
+# How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla/).
 XLA_ALLREDUCE_CHOICES = ("auto", "fused", "split")
 GpuSpec = Union[str, Sequence[int], int]
 
@@ -51,7 +51,7 @@ class Plan:
     shape: str  # Topology.kind(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
     nvlink_gbps: float  # slowest pair's NVLink GB/s per direction (0 without NVLink)
     devices: tuple[str, ...] = ()
-    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see xla.py)
+    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see tf_nvlink/xla/)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
 
     @property
