@@ -42,6 +42,15 @@ class NVLinkMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.Mirro
     def plan(self) -> Optional[policy.Plan]:
         return self._tf_nvlink_plan
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """What Keras' `fit` calls: without the caller's `options`, prefetch `plan.input_buffer` batches to each
+        replica's device, so the host split and the copies overlap the step (TensorFlow's default is 1)."""
+        buffer = getattr(self._tf_nvlink_plan, "input_buffer", 0)
+        if options is None and buffer:
+            options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
+                                                 experimental_per_replica_buffer_size=buffer)
+        return super().experimental_distribute_dataset(dataset, options=options)
+
 
 _LOCK = threading.Lock()
 _CURRENT: dict = {}
@@ -66,17 +75,18 @@ def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
     raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
 
 
-def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce):
+def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, knobs=()):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
     ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
-    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce)
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, knobs)
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
              devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
              xla_allreduce: str = "auto", cluster_resolver=None,
-             peer_timeout_s: Optional[float] = None) -> tf.distribute.MirroredStrategy:
+             peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
+             input_buffer: Optional[int] = None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -100,6 +110,16 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             CPU-only ones) is chosen from this host's topology; see `tf_nvlink.multi_worker`. Call it first in
             the program, before any TensorFlow op.
         peer_timeout_s: how long a worker waits for the other workers to be reachable (default 60 s).
+        xla_flags: "auto" (on 2+ GPUs in fused XLA mode, add the latency-hiding scheduler to `XLA_FLAGS`), "none",
+            or a list of "--name=value" flags among `policy.KNOWN_XLA_FLAGS`. A flag the user already set in
+            `XLA_FLAGS` is never overridden (`plan.xla_flags_kept` lists those). XLA reads `XLA_FLAGS` once, at its
+            first compile in the process: build the strategy before running any jit-compiled function, or the
+            flags have no effect (tf_nvlink cannot tell whether XLA has already started).
+        allreduce_dtype: "float32" (default) or "bfloat16": float32 gradients are cast to bfloat16 for the
+            all-reduce and back after it (half the bytes on the link; the sum is rounded to bfloat16's 8-bit
+            mantissa). Applies to Keras optimizers in `fit` (fused, split and without XLA).
+        input_buffer: batches `experimental_distribute_dataset` (Keras `fit`) prefetches to each replica's
+            device when no `InputOptions` are given (None: 2 on GPUs, TensorFlow's defaults on CPUs).
 
     Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
     same request returns the same strategy; a different request raises RuntimeError.
@@ -109,7 +129,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
-    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce) + (
+    knobs = (tuple(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags, allreduce_dtype, input_buffer)
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, knobs) + (
         None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
         if _CURRENT:
@@ -125,17 +146,26 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         cluster = None if cluster_resolver is not None else multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
         if cluster_resolver is not None or cluster is not None:
             multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
+            if knobs != ("auto", "float32", None):
+                raise ValueError(f"xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
+                                 f"leave them at their defaults with several workers. Received: "
+                                 f"xla_flags={xla_flags!r}, allreduce_dtype={allreduce_dtype!r}, "
+                                 f"input_buffer={input_buffer!r}")
             built, plan = multi_worker.build_strategy(
                 topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
                 peer_timeout_s=multi_worker.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
         else:
-            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, knobs)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     return built
 
 
-def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, knobs=("auto", "float32", None)):
+    xla_flags, allreduce_dtype, input_buffer = knobs
+    policy.validate_xla_flags(xla_flags)  # before anything is built: a bad value costs nothing
+    policy.validate_allreduce_dtype(allreduce_dtype)
+    policy.choose_input_buffer(0, input_buffer)
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
         raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
@@ -182,8 +212,25 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     else:
         ops = build_cross_device_ops(plan, device_names)
     plan = _replace(plan, devices=tuple(device_names))
+    plan = policy.choose_knobs(plan, os.environ.get("XLA_FLAGS", ""), xla_flags, allreduce_dtype, input_buffer)
+    apply_xla_flags(plan)
+    if plan.allreduce_dtype != "float32":
+        xla.install_allreduce_dtype_hook()
     xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def apply_xla_flags(plan: policy.Plan, environ=None) -> str:
+    """Add `plan.xla_flags` to `XLA_FLAGS` in `environ` (default os.environ), after the user's own entries (which
+    `policy.choose_knobs` already let win); returns the new value. XLA parses XLA_FLAGS once, at its first use
+    in the process, so this must run before the first XLA compile (the strategy does it while being built).
+    """
+    environ = os.environ if environ is None else environ
+    value, added, _ = policy.merge_xla_flags(environ.get("XLA_FLAGS", ""), plan.xla_flags)
+    if added:
+        environ["XLA_FLAGS"] = value
+        log.info("tf_nvlink: XLA_FLAGS=%s (applies if XLA has not compiled anything yet in this process)", value)
+    return environ.get("XLA_FLAGS", "")
 
 
 def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:

@@ -323,3 +323,50 @@ class PerReplicaXlaStrategyMixin:
 
             self._per_replica_functions[key] = (target, per_replica)  # keep target alive: ids are reused
         return self._per_replica_functions[key][1]
+
+
+# --- Gradient all-reduce in bfloat16 (Plan.allreduce_dtype) ------------------------------------------------------
+# Why here: it hooks a Keras private method, like the trainer hooks above. Keras' TF optimizer all-reduces the
+# gradients in `TFOptimizer._all_reduce_sum_gradients` (`replica_context.all_reduce(SUM, grads)`), in fit's
+# three paths alike: no XLA, split (outside XLA) and fused (compiled into the XLA step). The hook is installed on
+# the class once, and acts only for optimizers created under a tf_nvlink strategy whose plan says "bfloat16".
+_ALLREDUCE_ORIGINAL: dict[str, Callable] = {}
+
+
+def install_allreduce_dtype_hook() -> None:
+    """Make Keras optimizers under a tf_nvlink strategy with `plan.allreduce_dtype == "bfloat16"` cast float32
+    gradients to bfloat16 for the all-reduce and back to float32 after it (half the bytes; the sum is rounded to
+    bfloat16). Other gradients (bfloat16/float16 already, or other strategies' optimizers) pass unchanged.
+
+    Example (the strategy calls it for you):
+        >>> tf_nvlink.strategy(allreduce_dtype="bfloat16")
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
+
+    with _INSTALL_LOCK:
+        if _ALLREDUCE_ORIGINAL:
+            return
+        original = TFOptimizer._all_reduce_sum_gradients
+        _ALLREDUCE_ORIGINAL["_all_reduce_sum_gradients"] = original
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            plan = getattr(getattr(self, "_distribution_strategy", None), "_tf_nvlink_plan", None)
+            if getattr(plan, "allreduce_dtype", "float32") != "bfloat16":
+                return original(self, grads_and_vars)
+            pairs = list(grads_and_vars)
+            narrowed = [(tf.cast(g, tf.bfloat16) if g is not None and g.dtype == tf.float32 else g, v)
+                        for g, v in pairs]
+            reduced = original(self, narrowed)
+            return [(tf.cast(r, tf.float32) if r is not None and g is not None and g.dtype == tf.float32 else r, v)
+                    for (g, _), (r, v) in zip(pairs, reduced)]
+
+        TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
+
+def uninstall_allreduce_dtype_hook() -> None:
+    """Restore Keras' own `_all_reduce_sum_gradients` (tests)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
+
+    with _INSTALL_LOCK:
+        if _ALLREDUCE_ORIGINAL:
+            TFOptimizer._all_reduce_sum_gradients = _ALLREDUCE_ORIGINAL.pop("_all_reduce_sum_gradients")
