@@ -129,6 +129,9 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
+    policy.validate_xla_flags(xla_flags)  # before anything is built or recorded: a bad value costs nothing
+    policy.validate_allreduce_dtype(allreduce_dtype)
+    policy.choose_input_buffer(0, input_buffer)
     knobs = (tuple(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags, allreduce_dtype, input_buffer)
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, knobs) + (
         None if cluster_resolver is None else id(cluster_resolver),)
@@ -163,9 +166,6 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
 
 def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, knobs=("auto", "float32", None)):
     xla_flags, allreduce_dtype, input_buffer = knobs
-    policy.validate_xla_flags(xla_flags)  # before anything is built: a bad value costs nothing
-    policy.validate_allreduce_dtype(allreduce_dtype)
-    policy.choose_input_buffer(0, input_buffer)
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
         raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
