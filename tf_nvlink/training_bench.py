@@ -213,9 +213,9 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
                       jit_compile=use_jit)
-    model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0)  # compiles
+    model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0, shuffle=False)  # compiles
     started = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
     seconds = time.perf_counter() - started
     record = {
         "model": model_name, "candidate": candidate, "replicas": replicas, "jit_compile": bool(model.jit_compile),
