@@ -207,3 +207,18 @@ def test_strategy_refuses_bad_knobs_before_building(tf):
                           ({"input_buffer": 0}, "input_buffer should be a positive integer")]:
         with pytest.raises(ValueError, match=match):
             tf_nvlink.strategy(**kwargs)
+
+
+def test_report_shows_the_knobs_and_the_users_xla_flags():
+    from tf_nvlink import report
+
+    topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
+    data = report.collect(topology=topo, with_tf=False, environ={})
+    assert data["plan"]["xla_flags"] == [LHS] and data["plan"]["input_buffer"] == 2
+    knobs = next(line for line in report.render_text(data).splitlines() if line.startswith("  knobs"))
+    assert knobs == (f"  knobs      XLA_FLAGS += {LHS}; gradients all-reduced in float32; input prefetched 2 "
+                     f"batches deep per GPU")
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false"
+    data = report.collect(topology=topo, with_tf=False, environ={"XLA_FLAGS": user})
+    assert data["plan"]["xla_flags"] == [] and data["plan"]["xla_flags_kept"] == [user]
+    assert f"user's XLA_FLAGS kept: {user}" in data["plan"]["summary"]

@@ -579,11 +579,12 @@ def strategy_class():
             if axis is not None and shape is not None and shape.rank == 0:
                 axis = None  # one number per replica: the reduction is across replicas
             local = self.experimental_local_results(value)
-            if local and getattr(local[0], "dtype", None) == tf.int32:
+            if local and getattr(local[0], "dtype", None) in (tf.int32, tf.uint8, tf.int8, tf.int16, tf.uint16):
                 # GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
                 # DEVICE_GPU", int32 lives in host memory there): Keras reduces the integer labels of a batch.
+                # Collectives take no 8/16-bit integers at all: Keras reduces uint8 image batches the same way.
                 wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
-                return tf.cast(super().reduce(reduce_op, wide, axis), tf.int32)
+                return tf.cast(super().reduce(reduce_op, wide, axis), local[0].dtype)
             return super().reduce(reduce_op, value, axis)
 
     return NVLinkMultiWorkerMirroredStrategy

@@ -66,8 +66,9 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         record["link_gbps"] = rates[0] if len(rates) == 1 else None  # None: no links, or links of mixed speed
         record["reaches"] = _reaches(topology, gpu)
     data["tensorflow"] = _collect_tf(topology, environ) if with_tf else {"checked": False}
-    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(topology, "all", visible)
-    data["auto_plan"] = _make_plan(topology, "auto", visible)
+    user_xla_flags = environ.get("XLA_FLAGS", "")
+    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(topology, "all", visible, user_xla_flags)
+    data["auto_plan"] = _make_plan(topology, "auto", visible, user_xla_flags)
     return data
 
 
@@ -108,9 +109,9 @@ def _plan_record(plan: Any) -> dict:
     return record
 
 
-def _make_plan(topology: Topology, gpus: str, visible: list[int]) -> dict:
+def _make_plan(topology: Topology, gpus: str, visible: list[int], user_xla_flags: str = "") -> dict:
     try:
-        plan = policy.make_plan(topology, gpus, "auto", visible=visible)
+        plan = policy.choose_knobs(policy.make_plan(topology, gpus, "auto", visible=visible), user_xla_flags)
         return _plan_record(tune.with_stored_choice(plan, topology))  # as tf_nvlink.strategy() would
     except ValueError as exc:  # not expected for "all"/"auto", but a report must not die on it
         return {"requested": [gpus, "auto", None], "error": str(exc)}
@@ -336,6 +337,7 @@ def _render_plans(data: dict) -> str:
                   f"  ops        {_plan_ops(plan)}" + (f" ({plan['tensorflow_class']})"
                                                        if plan.get("tensorflow_class") else ""),
                   f"  XLA        {_XLA_MODES.get(plan.get('xla_allreduce'), plan.get('xla_allreduce'))}",
+                  f"  knobs      {_plan_knobs(plan)}",
                   f"  reason     {plan['reason']}"]
     if auto.get("error"):
         lines.append(f"gpus='auto' would fail: {auto['error']}")
@@ -343,6 +345,17 @@ def _render_plans(data: dict) -> str:
         same = " (the same)" if _plan_key(auto) == _plan_key(plan) else ""
         lines.append(f"gpus='auto' would choose: {_plan_where(auto)} -> {_plan_ops(auto)}{same}")
     return "\n".join(lines)
+
+
+def _plan_knobs(plan: dict) -> str:
+    """The step knobs of a plan record (policy.choose_knobs): XLA flags added/kept, all-reduce dtype, input."""
+    added, kept = plan.get("xla_flags") or [], plan.get("xla_flags_kept") or []
+    flags = ("XLA_FLAGS += " + " ".join(added)) if added else "no XLA flags added"
+    if kept:
+        flags += " (user's XLA_FLAGS kept: " + " ".join(kept) + ")"
+    buffer = plan.get("input_buffer") or 0
+    return (f"{flags}; gradients all-reduced in {plan.get('allreduce_dtype', 'float32')}; "
+            + (f"input prefetched {buffer} batches deep per GPU" if buffer else "TensorFlow's input options"))
 
 
 def _plan_where(plan: dict) -> str:
