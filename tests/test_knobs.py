@@ -76,10 +76,14 @@ def test_apply_xla_flags_merges_into_the_environment():
 
     plan = policy.choose_knobs(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
     environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}
-    assert strategies.apply_xla_flags(plan, environ) == "--xla_dump_to=/tmp/d " + LHS == environ["XLA_FLAGS"]
-    assert strategies.apply_xla_flags(plan, environ) == environ["XLA_FLAGS"]  # idempotent: nothing added twice
-    empty = {}
-    assert strategies.apply_xla_flags(policy.choose_knobs(plan_for("no_driver")), empty) == "" and empty == {}
+    assert strategies.apply_xla_flags(plan, environ=environ) == "--xla_dump_to=/tmp/d " + LHS == environ["XLA_FLAGS"]
+    # again from the user's value (as the strategy does after its provisional setting): nothing added twice
+    assert strategies.apply_xla_flags(plan, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"]
+    # a final plan without flags takes the provisional ones back: the user's value, or no variable at all
+    cpu = policy.choose_knobs(plan_for("no_driver"))
+    assert strategies.apply_xla_flags(cpu, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"] == \
+        "--xla_dump_to=/tmp/d"
+    assert strategies.apply_xla_flags(cpu, "", environ) == "" and "XLA_FLAGS" not in environ
 
 
 STRATEGY_SCRIPT = """

@@ -178,6 +178,9 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     topology = topology if topology is not None else nvml.probe()
     if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
         log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
+    user_xla_flags = os.environ.get("XLA_FLAGS", "")
+    _apply_provisional_xla_flags(topology, gpus, "auto" if ops_name == "autotune" else ops_name, num_packs,
+                                 xla_allreduce, xla_flags, user_xla_flags)
     tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
     visible = devices_lib.visible_nvml_indices(topology)
     if topology.gpus and not tf_gpu_count:
@@ -212,25 +215,45 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     else:
         ops = build_cross_device_ops(plan, device_names)
     plan = _replace(plan, devices=tuple(device_names))
-    plan = policy.choose_knobs(plan, os.environ.get("XLA_FLAGS", ""), xla_flags, allreduce_dtype, input_buffer)
-    apply_xla_flags(plan)
+    plan = policy.choose_knobs(plan, user_xla_flags, xla_flags, allreduce_dtype, input_buffer)
+    apply_xla_flags(plan, user_xla_flags)
     if plan.allreduce_dtype != "float32":
         xla.install_allreduce_dtype_hook()
     xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
 
 
-def apply_xla_flags(plan: policy.Plan, environ=None) -> str:
-    """Add `plan.xla_flags` to `XLA_FLAGS` in `environ` (default os.environ), after the user's own entries (which
-    `policy.choose_knobs` already let win); returns the new value. XLA parses XLA_FLAGS once, at its first use
-    in the process, so this must run before the first XLA compile (the strategy does it while being built).
+def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, environ=None) -> str:
+    """Set `XLA_FLAGS` in `environ` (default os.environ) to the user's value (default: the current one) followed
+    by `plan.xla_flags` (which `policy.choose_knobs` already let the user's entries win over); returns the value.
+    XLA parses XLA_FLAGS once, at its first use in the process, so this must run before the first XLA compile
+    (the strategy does it while being built, before TensorFlow creates its devices).
+
+    Example:
+        >>> apply_xla_flags(plan, "")     # a 2-GPU fused plan
+        '--xla_gpu_enable_latency_hiding_scheduler=true'
     """
     environ = os.environ if environ is None else environ
-    value, added, _ = policy.merge_xla_flags(environ.get("XLA_FLAGS", ""), plan.xla_flags)
-    if added:
+    user = environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags
+    value, added, _ = policy.merge_xla_flags(user, plan.xla_flags)
+    if value:
         environ["XLA_FLAGS"] = value
+    else:
+        environ.pop("XLA_FLAGS", None)
+    if added:
         log.info("tf_nvlink: XLA_FLAGS=%s (applies if XLA has not compiled anything yet in this process)", value)
-    return environ.get("XLA_FLAGS", "")
+    return value
+
+
+def _apply_provisional_xla_flags(topology, gpus, ops_name, num_packs, xla_allreduce, xla_flags, user_xla_flags):
+    """The XLA flags of the plan NVML alone implies, set before TensorFlow initialises its GPUs (in case that
+    already reads XLA_FLAGS); the final plan sets them again, or takes them back."""
+    try:
+        early = policy.make_plan(topology, gpus, ops_name, num_packs, visible=devices_lib.visible_nvml_indices(
+            topology), xla_allreduce=xla_allreduce)
+    except ValueError:
+        return  # the final planning below raises or falls back, and sets the flags then
+    apply_xla_flags(policy.choose_knobs(early, user_xla_flags, xla_flags), user_xla_flags)
 
 
 def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
