@@ -1,4 +1,4 @@
-"""Step knobs of the plan (tf_nvlink.policy.choose_knobs) and how the strategy applies them: XLA flags merged
+"""Step knobs of the plan (tf_nvlink.knobs.choose_knobs) and how the strategy applies them: XLA flags merged
 into XLA_FLAGS (the user's win), gradients all-reduced in bfloat16, input prefetched to each replica's device."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import fake_nvml
 from conftest import run_python
 from fake_nvml import FakeNvml
-from tf_nvlink import nvml, policy
+from tf_nvlink import knobs, nvml, policy
 
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
@@ -26,7 +26,7 @@ def plan_for(machine, gpus="all", xla_allreduce="auto"):
     ("no_driver", "all", "auto", ()),          # CPU
 ])
 def test_xla_flags_chosen_for_fused_multi_gpu_xla_only(machine, gpus, mode, expected):
-    plan = policy.choose_knobs(plan_for(machine, gpus, mode))
+    plan = knobs.choose_knobs(plan_for(machine, gpus, mode))
     assert plan.xla_flags == expected and plan.xla_flags_kept == ()
     assert (LHS in plan.summary()) == bool(expected)
     assert plan.to_dict()["xla_flags"] == list(expected)
@@ -34,53 +34,71 @@ def test_xla_flags_chosen_for_fused_multi_gpu_xla_only(machine, gpus, mode, expe
 
 def test_users_xla_flags_win_and_are_recorded():
     user = "--xla_dump_to=/tmp/dump --xla_gpu_enable_latency_hiding_scheduler=false"
-    plan = policy.choose_knobs(plan_for("h200_x2"), user_xla_flags=user)
+    plan = knobs.choose_knobs(plan_for("h200_x2"), user_xla_flags=user)
     assert plan.xla_flags == () and plan.xla_flags_kept == ("--xla_gpu_enable_latency_hiding_scheduler=false",)
     assert "user's XLA_FLAGS kept: --xla_gpu_enable_latency_hiding_scheduler=false" in plan.summary()
-    value, added, kept = policy.merge_xla_flags("--xla_dump_to=/tmp/dump", (LHS,))
+    value, added, kept = knobs.merge_xla_flags("--xla_dump_to=/tmp/dump", (LHS,))
     assert value == "--xla_dump_to=/tmp/dump " + LHS and added == (LHS,) and kept == ()
-    assert policy.merge_xla_flags("", ())[0] == ""
+    assert knobs.merge_xla_flags("", ())[0] == ""
 
 
 def test_xla_flags_none_and_explicit_lists():
-    assert policy.choose_knobs(plan_for("h200_x2"), xla_flags="none").xla_flags == ()
+    assert knobs.choose_knobs(plan_for("h200_x2"), xla_flags="none").xla_flags == ()
     explicit = ["--xla_gpu_all_reduce_combine_threshold_bytes=134217728", LHS]
-    assert policy.choose_knobs(plan_for("no_driver"), xla_flags=explicit).xla_flags == tuple(explicit)
+    assert knobs.choose_knobs(plan_for("no_driver"), xla_flags=explicit).xla_flags == tuple(explicit)
 
 
 @pytest.mark.parametrize("bad", ["on", "", ["--xla_made_up_flag=true"], ["xla_gpu_enable_latency_hiding_scheduler"],
                                  [LHS + " --x=1"], 3])
 def test_bad_xla_flags_are_refused_naming_the_valid_choices(bad):
     with pytest.raises(ValueError, match="xla_flags") as info:
-        policy.choose_knobs(plan_for("h200_x2"), xla_flags=bad)
+        knobs.choose_knobs(plan_for("h200_x2"), xla_flags=bad)
     assert "auto" in str(info.value) or "xla_gpu_enable_latency_hiding_scheduler" in str(info.value)
 
 
 def test_allreduce_dtype_and_input_buffer():
-    plan = policy.choose_knobs(plan_for("h200_x2"), allreduce_dtype="bfloat16")
+    plan = knobs.choose_knobs(plan_for("h200_x2"), allreduce_dtype="bfloat16")
     assert plan.allreduce_dtype == "bfloat16" and "gradients all-reduced in bfloat16" in plan.summary()
-    assert plan.input_buffer == policy.GPU_INPUT_BUFFER == 2 and "2 batches deep" in plan.summary()
-    assert policy.choose_knobs(plan_for("no_driver")).input_buffer == 0  # CPU: TensorFlow's own options
-    assert policy.choose_knobs(plan_for("h200_x2"), input_buffer=1).input_buffer == 1
+    assert plan.input_buffer == knobs.GPU_INPUT_BUFFER == 2 and "2 batches deep" in plan.summary()
+    assert knobs.choose_knobs(plan_for("no_driver")).input_buffer == 0  # CPU: TensorFlow's own options
+    assert knobs.choose_knobs(plan_for("h200_x2"), input_buffer=1).input_buffer == 1
     with pytest.raises(ValueError, match="allreduce_dtype should be one of \\['float32', 'bfloat16'\\]"):
-        policy.choose_knobs(plan_for("h200_x2"), allreduce_dtype="float16")
+        knobs.choose_knobs(plan_for("h200_x2"), allreduce_dtype="float16")
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="input_buffer should be a positive integer"):
-            policy.choose_knobs(plan_for("h200_x2"), input_buffer=bad)
-    default = policy.choose_knobs(plan_for("no_driver"))
+            knobs.choose_knobs(plan_for("h200_x2"), input_buffer=bad)
+    default = knobs.choose_knobs(plan_for("no_driver"))
     assert default.allreduce_dtype == "float32" and default.knobs_summary() == ""
+
+
+def test_decide_chooses_the_knobs_for_the_final_plan():
+    """policy.decide (what strategy() and the report call) picks the knobs last: from the user's XLA_FLAGS in the
+    facts, and after the NCCL fallback, which makes the plan split (no collective inside XLA: no flags)."""
+    topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_knobs=("auto", "bfloat16", None))
+    assert (plan.xla_allreduce, plan.xla_flags, plan.allreduce_dtype, plan.input_buffer) == \
+        ("fused", (LHS,), "bfloat16", 2)
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false"
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2, user_xla_flags=user))
+    assert plan.xla_flags == () and plan.xla_flags_kept == (user,) and plan.allreduce_dtype == "float32"
+    plan, warnings = policy.decide(policy.Facts(topo, tf_gpu_count=2, nccl_available=False))
+    assert plan.xla_allreduce == "split" and plan.xla_flags == () and "no NCCL" in warnings[0]
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=0, no_gpu_cause="x"), asked_knobs=(
+        [LHS], "float32", 3))
+    assert plan.gpus == () and plan.xla_flags == (LHS,) and plan.input_buffer == 3  # explicit: as given
+    assert knobs.validate_request([LHS], "bfloat16", 1) == ((LHS,), "bfloat16", 1)
 
 
 def test_apply_xla_flags_merges_into_the_environment():
     from tf_nvlink import strategies
 
-    plan = policy.choose_knobs(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
+    plan = knobs.choose_knobs(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
     environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}
     assert strategies.apply_xla_flags(plan, environ=environ) == "--xla_dump_to=/tmp/d " + LHS == environ["XLA_FLAGS"]
     # again from the user's value (as the strategy does after its provisional setting): nothing added twice
     assert strategies.apply_xla_flags(plan, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"]
     # a final plan without flags takes the provisional ones back: the user's value, or no variable at all
-    cpu = policy.choose_knobs(plan_for("no_driver"))
+    cpu = knobs.choose_knobs(plan_for("no_driver"))
     assert strategies.apply_xla_flags(cpu, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"] == \
         "--xla_dump_to=/tmp/d"
     assert strategies.apply_xla_flags(cpu, "", environ) == "" and "XLA_FLAGS" not in environ

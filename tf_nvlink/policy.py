@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
+from tf_nvlink import devices as devices_lib
+from tf_nvlink import knobs, nvml
 from tf_nvlink.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
@@ -51,13 +53,10 @@ class Plan:
     devices: tuple[str, ...] = ()
     xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see xla.py)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
-    # Knobs for the step (see `choose_knobs`): XLA flags tf_nvlink adds to XLA_FLAGS, the user's own XLA_FLAGS
-    # entries that won over a planned flag of the same name, the dtype gradients are all-reduced in, and the
-    # per-replica prefetch depth `experimental_distribute_dataset` uses (0: TensorFlow's default options).
-    xla_flags: tuple[str, ...] = ()
-    xla_flags_kept: tuple[str, ...] = ()
-    allreduce_dtype: str = "float32"
-    input_buffer: int = 0
+    xla_flags: tuple[str, ...] = ()  # step knobs (tf_nvlink/knobs.py): flags tf_nvlink adds to XLA_FLAGS,
+    xla_flags_kept: tuple[str, ...] = ()  # the user's XLA_FLAGS entries that won over a planned flag,
+    allreduce_dtype: str = "float32"  # the dtype gradients are all-reduced in,
+    input_buffer: int = 0  # batches prefetched to each replica's device (0: TensorFlow's default options)
 
     @property
     def on_cpu(self) -> bool:
@@ -65,36 +64,35 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the log and the report."""
-        where = f"GPUs {list(self.gpus)} ({self.shape}" if self.gpus else "CPU (no GPU"
-        if self.nvlink_gbps:
-            where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
+        where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}{xla}{self.knobs_summary()}: "
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}{self.knobs_summary()}: "
                 f"{self.reason} [topology {self.fingerprint}]")
 
-    def knobs_summary(self) -> str:
-        """The step knobs that differ from TensorFlow's defaults, as "; ..." clauses (empty when none)."""
-        parts = []
-        if self.xla_flags:
-            parts.append("XLA_FLAGS += " + " ".join(self.xla_flags))
-        if self.xla_flags_kept:
-            parts.append("user's XLA_FLAGS kept: " + " ".join(self.xla_flags_kept))
-        if self.allreduce_dtype != "float32":
-            parts.append(f"gradients all-reduced in {self.allreduce_dtype}")
-        if self.input_buffer:
-            parts.append(f"input prefetched to each replica's device, {self.input_buffer} batches deep")
-        return "".join("; " + p for p in parts)
+    def knobs_summary(self) -> str:  # the step knobs that differ from TensorFlow's defaults, as "; ..." clauses
+        return knobs.summary_clauses(self)
 
     def to_dict(self) -> dict:
         record = dataclasses.asdict(self)
-        record["gpus"] = list(self.gpus)
-        record["devices"] = list(self.devices)
+        record.update({key: list(getattr(self, key)) for key in ("gpus", "devices", "xla_flags", "xla_flags_kept")})
         record["requested"] = [list(v) if isinstance(v, tuple) else v for v in self.requested]
-        record["xla_flags"] = list(self.xla_flags)
-        record["xla_flags_kept"] = list(self.xla_flags_kept)
         record["tensorflow_class"] = OPS.get(self.cross_device_ops)
         return record
+
+
+def nvlink_text(gbps: float) -> str:
+    """", 478 GB/s per direction over NVLink" ("" without NVLink): how every plan line states the link speed."""
+    return f", {gbps:.0f} GB/s per direction over NVLink" if gbps else ""
+
+
+def gpus_text(gpus: Sequence[int], shape: str, gbps: float, prefix: str = "GPUs ", on_gpu: Optional[bool] = None,
+              cpu: str = "CPU (no GPU)") -> str:
+    """"GPUs [0, 1] (nvswitch, 478 GB/s per direction over NVLink)", or `cpu` when there is no GPU (`on_gpu`:
+    whether GPUs are used; default: whether `gpus` names any)."""
+    if not (bool(gpus) if on_gpu is None else on_gpu):
+        return cpu
+    return f"{prefix}{list(gpus)} ({shape}{nvlink_text(gbps)})"
 
 
 def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int]] = None) -> tuple[int, ...]:
@@ -203,8 +201,8 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         chosen = parse_gpus(gpus, topology, visible)
     shape = topology.kind(chosen)
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
-    # "autotune" plans like "auto"; the strategy then swaps in the measured winner (it needs TensorFlow).
-    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops
+    # "autotune" plans like "auto"; `decide` then swaps in the measured winner (`Facts.tune_choice`).
+    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops  # `decide` adds the winner
     ops, packs, reason = _choose_ops(topology, chosen, shape, rule_request, num_packs)
     available = topology.indices if visible is None else tuple(visible)
     if isinstance(gpus, str) and gpus.strip().lower() == "auto" and 0 < len(chosen) < len(available):
@@ -270,109 +268,133 @@ def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, request
             "optimal over PCIe; reduce-to-one would funnel every gradient through one GPU's PCIe link")
 
 
-# --- Step knobs: XLA flags, gradient all-reduce dtype, input prefetch depth -------------------------------------
+# ---- the final plan, from every fact the edges gather ------------------------------------------------------------
 
-# XLA flags tf_nvlink may set. XLA aborts the process on a flag name it does not know, so only names checked in
-# TensorFlow 2.21's XLA (its .so) are accepted.
-KNOWN_XLA_FLAGS = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_all_reduce_combine_threshold_bytes",
-                   "xla_gpu_enable_pipelined_all_reduce", "xla_gpu_enable_highest_priority_async_stream")
-# Fused multi-GPU XLA: the scheduler overlaps the in-XLA NCCL all-reduce with the backward pass (ResNet-50,
-# 2x H200, host-fed fit: 5518/5453 vs 5181/5182 img/s, +3-6%; training_bench auto 6535 vs 6360).
-FUSED_MULTI_GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
-XLA_FLAGS_CHOICES = ("auto", "none")
-ALLREDUCE_DTYPES = ("float32", "bfloat16")
-# Batches prefetched to each GPU by `experimental_distribute_dataset` (TensorFlow's default is 1): 2 lets the
-# host split and the host-to-device copy of the next batch overlap the step.
-GPU_INPUT_BUFFER = 2
+TuneChoice = tuple  # (cross_device_ops, num_packs, reason), as `tune_cache.stored_choice` returns it
 
 
-def xla_flag_name(flag: str) -> str:
-    """"--xla_gpu_x=true" -> "xla_gpu_x"."""
-    return flag.strip().lstrip("-").split("=", 1)[0]
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the edges found out about this process, for `decide`. Plain data except `tune_choice`.
+
+    `visible`: NVML indices TensorFlow can see (CUDA_VISIBLE_DEVICES; None: all). `tf_gpu_count`: GPUs TensorFlow
+    lists (None: not asked, as in `tf-nvlink report --no-tf`). `no_gpu_cause`: why TensorFlow sees no GPU, when it
+    sees none. `nccl_available`: whether TensorFlow has NCCL's GPU kernels (None: not asked). `tune_choice`: the
+    tune winner for a set of GPUs, or None (reads the cache; for "autotune" it may measure).
+    """
+
+    topology: Topology
+    visible: Optional[tuple[int, ...]] = None
+    tf_gpu_count: Optional[int] = None
+    no_gpu_cause: str = ""
+    nccl_available: Optional[bool] = True
+    tune_choice: Optional[Callable[[tuple[int, ...]], Optional[TuneChoice]]] = None
+    user_xla_flags: str = ""  # the user's XLA_FLAGS, before tf_nvlink set any
 
 
-def validate_xla_flags(xla_flags) -> tuple[str, ...]:
-    """"auto", "none", or a sequence of "--name=value" flags whose names are in KNOWN_XLA_FLAGS. Returns the
-    explicit flags (empty for "auto"/"none"). ValueError names the bad value and the valid choices."""
-    if isinstance(xla_flags, str):
-        if xla_flags in XLA_FLAGS_CHOICES:
-            return ()
-        raise ValueError(f"xla_flags should be one of {list(XLA_FLAGS_CHOICES)} or a list of '--name=value' flags "
-                         f"named in {list(KNOWN_XLA_FLAGS)}. Received: xla_flags={xla_flags!r}")
-    if not isinstance(xla_flags, (list, tuple)):
-        raise ValueError(f"xla_flags should be one of {list(XLA_FLAGS_CHOICES)} or a list of '--name=value' flags. "
-                         f"Received: xla_flags={xla_flags!r}")
-    for flag in xla_flags:
-        if not isinstance(flag, str) or not re.fullmatch(r"--\w+=\S+", flag.strip()) \
-                or xla_flag_name(flag) not in KNOWN_XLA_FLAGS:
-            raise ValueError(f"xla_flags entries should be '--name=value' with a name in {list(KNOWN_XLA_FLAGS)} "
-                             f"(XLA aborts on names it does not know). Received: {flag!r} in xla_flags={xla_flags!r}")
-    return tuple(flag.strip() for flag in xla_flags)
+def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", num_packs: Optional[int] = None,
+           xla_allreduce: str = "auto", ops_instance: str = "", asked_knobs=knobs.DEFAULT_REQUEST) -> tuple[Plan, list]:
+    """The plan `tf_nvlink.strategy()` builds from `facts`, and the warning lines to log. The report calls it too.
 
-
-def choose_xla_flags(n_gpus: int, xla_allreduce: str, request="auto") -> tuple[str, ...]:
-    """The XLA flags a plan wants: the latency-hiding scheduler when 2+ GPUs all-reduce inside XLA ("fused");
-    nothing for 1 GPU, CPUs or split mode (no collective inside XLA to overlap); the caller's own list as given.
+    `ops_instance`: the class name of a `tf.distribute.CrossDeviceOps` instance the caller gave (then
+    `cross_device_ops` is "auto" and only the GPUs are chosen). `asked_knobs`: see `knobs.validate_request`.
 
     Example:
-        >>> choose_xla_flags(2, "fused")
-        ('--xla_gpu_enable_latency_hiding_scheduler=true',)
+        >>> plan, warnings = decide(Facts(nvml.probe(), tf_gpu_count=2))
+        >>> plan.cross_device_ops
+        'nccl'
     """
-    explicit = validate_xla_flags(request)
-    if not isinstance(request, str):
-        return explicit
-    if request == "none" or n_gpus < 2 or xla_allreduce != "fused":
-        return ()
-    return FUSED_MULTI_GPU_XLA_FLAGS
+    topology, warnings = facts.topology, []
+    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
+        warnings.append(nvml.warnings_line(topology.warnings))
+    visible = facts.visible
+    if topology.gpus and facts.tf_gpu_count == 0:
+        warnings.append(f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none ({facts.no_gpu_cause}); "
+                        f"falling back to the CPU.")
+        visible = ()
+    elif topology.error and not facts.tf_gpu_count:
+        warnings.append(topology.error)  # no driver / NVML: the text ends with the CPU fallback
+    plan = make_plan(topology, gpus, cross_device_ops, num_packs, visible=visible, xla_allreduce=xla_allreduce)
+    if len(plan.gpus) > 1 and cross_device_ops in ("auto", "autotune") and num_packs is None and facts.tune_choice:
+        choice = facts.tune_choice(plan.gpus)
+        if choice is not None:
+            plan = dataclasses.replace(plan, cross_device_ops=choice[0], num_packs=choice[1], reason=choice[2])
+    if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") \
+            and facts.nccl_available is False:
+        plan, warning = without_nccl(plan)
+        warnings.append(warning)
+    if not plan.gpus and facts.tf_gpu_count and not topology.gpus:
+        warnings.append(f"TensorFlow sees {facts.tf_gpu_count} GPU(s) but NVML does not ("
+                        f"{topology.error or nvml.warnings_line(topology.warnings) or 'NVML lists no GPU'}); "
+                        f"mirroring over them with TensorFlow's default all-reduce.")
+        plan = dataclasses.replace(plan, cross_device_ops="collective", num_packs=None,
+                                   reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
+    if ops_instance:
+        plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
+                                   reason="a CrossDeviceOps instance given by the caller")
+    return knobs.choose_knobs(plan, facts.user_xla_flags, *asked_knobs), warnings
 
 
-def merge_xla_flags(user_xla_flags: str, planned: Sequence[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """Merge planned flags into the user's XLA_FLAGS value: the user's setting of a flag wins.
+def without_nccl(plan: Plan) -> tuple[Plan, str]:
+    """The plan for a TensorFlow without NCCL kernels, and the one warning line that says so.
 
-    Returns (new XLA_FLAGS value, the planned flags added, the user's entries kept instead of a planned flag).
-
-    Example:
-        >>> lhs = "--xla_gpu_enable_latency_hiding_scheduler"
-        >>> merge_xla_flags("--xla_dump_to=/tmp/x " + lhs + "=false", (lhs + "=true",))
-        ('--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=false', (), ('--xla_gpu_...=false',))
+    NcclAllReduce becomes ReductionToOneDevice (copies over NVLink/PCIe); the XLA all-reduce stays split,
+    since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
     """
-    user_entries = (user_xla_flags or "").split()
-    user_by_name = {xla_flag_name(entry): entry for entry in user_entries if entry.startswith("-")}
-    added = tuple(flag for flag in planned if xla_flag_name(flag) not in user_by_name)
-    kept = tuple(user_by_name[xla_flag_name(flag)] for flag in planned if xla_flag_name(flag) in user_by_name)
-    return " ".join(user_entries + list(added)), added, kept
+    ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
+    change = f"using {ops} instead of {plan.cross_device_ops}" if ops != plan.cross_device_ops else f"keeping {ops}"
+    warning = (f"this TensorFlow has no NCCL GPU kernels: {change}, and jit_compile=True models all-reduce "
+               f"outside XLA (split mode)")
+    return dataclasses.replace(
+        plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
+        xla_allreduce="split", reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
+                                      f"{plan.cross_device_ops}: {plan.reason})"), warning
 
 
-def choose_input_buffer(n_gpus: int, request: Optional[int] = None) -> int:
-    """Batches `experimental_distribute_dataset` prefetches to each replica's device: GPU_INPUT_BUFFER on GPUs,
-    0 (TensorFlow's own options) on CPUs, or the caller's positive integer."""
-    if request is not None:
-        if isinstance(request, bool) or not isinstance(request, int) or request < 1:
-            raise ValueError(f"input_buffer should be a positive integer (batches prefetched to each replica's "
-                             f"device) or None for the policy's choice. Received: input_buffer={request!r}")
-        return request
-    return GPU_INPUT_BUFFER if n_gpus else 0
+# ---- across workers --------------------------------------------------------------------------------------------
 
+def choose_implementation(topology: Topology, local_gpu_count: int,
+                          visible: Optional[Sequence[int]] = None) -> tuple[str, str]:
+    """("NCCL" | "RING", reason) for a worker with `local_gpu_count` GPUs; pure, no TensorFlow.
 
-def validate_allreduce_dtype(allreduce_dtype: str) -> str:
-    if allreduce_dtype not in ALLREDUCE_DTYPES:
-        raise ValueError(f"allreduce_dtype should be one of {list(ALLREDUCE_DTYPES)}. "
-                         f"Received: allreduce_dtype={allreduce_dtype!r}")
-    return allreduce_dtype
+    `visible` are the NVML indices of the worker's GPUs (default: the first `local_gpu_count` of those
+    `CUDA_VISIBLE_DEVICES` leaves).
 
-
-def choose_knobs(plan: Plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dtype: str = "float32",
-                 input_buffer: Optional[int] = None) -> Plan:
-    """`plan` with its step knobs chosen: XLA flags (merged under the user's `XLA_FLAGS` value, which wins),
-    the gradient all-reduce dtype (float32 unless asked: bfloat16 halves the bytes but sums in 8 bits of
-    mantissa), and the input prefetch depth per replica.
-
-    Example:
-        >>> choose_knobs(plan, user_xla_flags="").xla_flags     # a 2-GPU fused plan
-        ('--xla_gpu_enable_latency_hiding_scheduler=true',)
+    Any GPU means NCCL, whatever the links; only the reason differs. TensorFlow's AUTO is no neutral default on
+    GPUs: TensorFlow 2.21 runs NCCL only when the hint says "nccl" (or ConfigProto's collective_nccl is set, which
+    MultiWorkerMirroredStrategy does in graph mode only: `CollectiveParamResolverLocal::AssignCollectiveType`), so
+    AUTO means its own gRPC ring, which copies every gradient through host memory. NCCL uses NVLink inside the
+    worker and InfiniBand/RoCE (or TCP sockets) between workers; a TensorFlow built without NCCL falls back to its
+    ring by itself. CPU-only workers get RING (NCCL needs GPUs).
     """
-    validate_allreduce_dtype(allreduce_dtype)  # with one replica nothing is all-reduced: recorded, harmless
-    planned = choose_xla_flags(len(plan.gpus), plan.xla_allreduce, xla_flags)
-    _, added, kept = merge_xla_flags(user_xla_flags, planned)
-    return dataclasses.replace(plan, xla_flags=added, xla_flags_kept=kept, allreduce_dtype=allreduce_dtype,
-                               input_buffer=choose_input_buffer(len(plan.gpus), input_buffer))
+    if isinstance(local_gpu_count, bool) or not isinstance(local_gpu_count, int) or local_gpu_count < 0:
+        raise ValueError(f"local_gpu_count should be a non-negative integer. Received: "
+                         f"local_gpu_count={local_gpu_count!r}")
+    if local_gpu_count == 0:
+        if topology.gpus:
+            return ("RING", f"NVML sees {len(topology.gpus)} GPU(s) but this worker trains on none (TensorFlow "
+                    "without CUDA, or CUDA_VISIBLE_DEVICES hides them): TensorFlow's ring all-reduce over gRPC "
+                    "(NCCL needs GPUs)")
+        return "RING", "CPU-only worker: TensorFlow's ring all-reduce over gRPC (NCCL needs GPUs)"
+    if not topology.gpus:
+        return ("NCCL", f"{local_gpu_count} GPU(s) without NVML (interconnect unknown): NCCL all the same, since "
+                "TensorFlow's AUTO would mean its gRPC ring through host memory on GPUs")
+    if visible is None:
+        visible = devices_lib.visible_nvml_indices(topology)[:local_gpu_count]
+    visible = tuple(visible)
+    if len(visible) != local_gpu_count:
+        return ("NCCL", f"this worker trains on {local_gpu_count} GPU(s) but NVML maps {len(visible)} of them "
+                f"({list(visible)}), so their links are uncertain: NCCL all the same, since TensorFlow's AUTO would "
+                "mean its gRPC ring through host memory on GPUs")
+    shape = topology.kind(visible)
+    if shape == "single":
+        return ("NCCL", "one GPU per worker: NCCL all-reduces across workers (InfiniBand/RoCE when present, TCP "
+                "sockets otherwise); TensorFlow's AUTO would mean its gRPC ring through host memory")
+    if shape in ("nvswitch", "nvlink-all"):
+        link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
+        gbps = topology.min_pair_gbps(visible)
+        return ("NCCL", f"this worker's {len(visible)} GPUs reach each other {link} ({gbps:.0f} GB/s per "
+                "direction): NCCL all-reduces over NVLink inside the worker and over the network between workers")
+    what = "only some GPU pairs have NVLink" if shape == "nvlink-partial" else "PCIe only, no NVLink"
+    return ("NCCL", f"this worker's {len(visible)} GPUs: {what}; NCCL still (it routes over NVLink where it can "
+            "and PCIe elsewhere), since TensorFlow's AUTO would mean its gRPC ring through host memory")

@@ -19,8 +19,9 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
-from tf_nvlink import devices, policy, tune
+from tf_nvlink import devices, knobs, policy, tune_cache
 from tf_nvlink.nvml import probe as nvml_probe
+from tf_nvlink.text import table
 from tf_nvlink.topology import RemoteType, Topology
 
 LEGEND = ("Legend: X = self; NV# = a bonded set of # NVLinks (direct, or through NVSwitch); PIX = one PCIe "
@@ -40,7 +41,7 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         nvml: a pynvml stand-in, used only when `topology` is None.
         plan: a `policy.Plan` (or its `to_dict()`) to show, such as `tf_nvlink.current_plan()`; default: the plan
             `tf_nvlink.strategy()` would make (gpus="all", cross_device_ops="auto").
-        environ: where to read CUDA_VISIBLE_DEVICES (default `os.environ`).
+        environ: where to read CUDA_VISIBLE_DEVICES and XLA_FLAGS (default `os.environ`).
 
     Example:
         >>> collect(with_tf=False)["no_gpu"]       # on a machine without the NVIDIA driver
@@ -66,9 +67,9 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         record["link_gbps"] = rates[0] if len(rates) == 1 else None  # None: no links, or links of mixed speed
         record["reaches"] = _reaches(topology, gpu)
     data["tensorflow"] = _collect_tf(topology, environ) if with_tf else {"checked": False}
-    user_xla_flags = environ.get("XLA_FLAGS", "")
-    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(topology, "all", visible, user_xla_flags)
-    data["auto_plan"] = _make_plan(topology, "auto", visible, user_xla_flags)
+    facts = _facts(topology, visible, data["tensorflow"], environ.get("XLA_FLAGS", ""))
+    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(facts, "all")
+    data["auto_plan"] = _make_plan(facts, "auto")
     return data
 
 
@@ -109,12 +110,32 @@ def _plan_record(plan: Any) -> dict:
     return record
 
 
-def _make_plan(topology: Topology, gpus: str, visible: list[int], user_xla_flags: str = "") -> dict:
+def _facts(topology: Topology, visible: list[int], tf_section: dict, user_xla_flags: str = "") -> policy.Facts:
+    """The facts `tf_nvlink.strategy()` would gather, as far as the report knows them (TensorFlow's only when
+    it was asked: without it, TensorFlow is assumed to see the GPUs NVML and CUDA_VISIBLE_DEVICES leave)."""
+    tf_gpu_count = nccl = None
+    if tf_section.get("checked"):
+        tf_gpu_count = len(tf_section["gpus"])
+        if tf_gpu_count:
+            try:
+                nccl = devices.nccl_available()
+            except ImportError:  # TensorFlow's internals missing: unknown, as without TensorFlow
+                nccl = None
+    return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
+                        no_gpu_cause=tf_section.get("problem") or "see TensorFlow's view above",
+                        nccl_available=nccl, tune_choice=lambda gpus: tune_cache.stored_choice(topology, gpus),
+                        user_xla_flags=user_xla_flags)
+
+
+def _make_plan(facts: policy.Facts, gpus: str) -> dict:
+    """The plan `tf_nvlink.strategy(gpus=gpus)` builds from these facts: the same `policy.decide` call."""
     try:
-        plan = policy.choose_knobs(policy.make_plan(topology, gpus, "auto", visible=visible), user_xla_flags)
-        return _plan_record(tune.with_stored_choice(plan, topology))  # as tf_nvlink.strategy() would
+        plan, warnings = policy.decide(facts, gpus, "auto")
     except ValueError as exc:  # not expected for "all"/"auto", but a report must not die on it
         return {"requested": [gpus, "auto", None], "error": str(exc)}
+    record = _plan_record(plan)
+    record["warnings"] = warnings
+    return record
 
 
 def _import_tensorflow():
@@ -227,16 +248,6 @@ def _number(value: Optional[float], digits: int) -> str:
     return f"{round(value, digits):g}" if digits > 1 else f"{value:.{digits}f}"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
-    """nccl-tests-style table: the first two rows are the names and units rows, prefixed with '#'."""
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = []
-    for r, row in enumerate(rows):
-        cells = [cell.rjust(widths[c]) if c in right else cell.ljust(widths[c]) for c, cell in enumerate(row)]
-        lines.append(("# " if r < 2 else "  ") + "  ".join(cells).rstrip())
-    return lines
-
-
 def _render_nvlink_table(data: dict) -> str:
     rows = [["GPU", "name", "PCI bus id", "active", "NVLink", "per link", "total", "reaches"],
             ["", "", "", "links", "version", "(GB/s)", "(GB/s)", ""]]
@@ -247,7 +258,7 @@ def _render_nvlink_table(data: dict) -> str:
                      _number(gpu["link_gbps"], 3) if has_links else "-",
                      _number(gpu["nvlink_gbps"], 1), gpu["reaches"]])
     title = "NVLink per GPU (as `nvidia-smi nvlink -s`; GB/s per direction):"
-    return "\n".join([title] + _table(rows, right={0, 3, 4, 5, 6}))
+    return "\n".join([title] + table(rows, right={0, 3, 4, 5, 6}, header_rows=2))
 
 
 def _render_gbps_matrix(data: dict) -> str:
@@ -305,7 +316,7 @@ def _render_tf(data: dict) -> str:
         for gpu in tf["gpus"]:
             nvml_index = "?" if gpu["nvml_index"] is None else str(gpu["nvml_index"])
             rows.append([gpu["tf_name"], nvml_index, gpu["pci_bus_id"] or "N/A", gpu["physical_device_desc"]])
-        lines += _table(rows, right={1})
+        lines += table(rows, right={1}, header_rows=2)
     else:
         lines.append("  TensorFlow sees no GPU.")
     if tf["unmapped"]:
@@ -337,7 +348,7 @@ def _render_plans(data: dict) -> str:
                   f"  ops        {_plan_ops(plan)}" + (f" ({plan['tensorflow_class']})"
                                                        if plan.get("tensorflow_class") else ""),
                   f"  XLA        {_XLA_MODES.get(plan.get('xla_allreduce'), plan.get('xla_allreduce'))}",
-                  f"  knobs      {_plan_knobs(plan)}",
+                  f"  knobs      {knobs.report_text(plan)}",
                   f"  reason     {plan['reason']}"]
     if auto.get("error"):
         lines.append(f"gpus='auto' would fail: {auto['error']}")
@@ -347,24 +358,8 @@ def _render_plans(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _plan_knobs(plan: dict) -> str:
-    """The step knobs of a plan record (policy.choose_knobs): XLA flags added/kept, all-reduce dtype, input."""
-    added, kept = plan.get("xla_flags") or [], plan.get("xla_flags_kept") or []
-    flags = ("XLA_FLAGS += " + " ".join(added)) if added else "no XLA flags added"
-    if kept:
-        flags += " (user's XLA_FLAGS kept: " + " ".join(kept) + ")"
-    buffer = plan.get("input_buffer") or 0
-    return (f"{flags}; gradients all-reduced in {plan.get('allreduce_dtype', 'float32')}; "
-            + (f"input prefetched {buffer} batches deep per GPU" if buffer else "TensorFlow's input options"))
-
-
 def _plan_where(plan: dict) -> str:
-    if not plan["gpus"]:
-        return "none (CPU)"
-    where = f"{plan['gpus']} ({plan['shape']}"
-    if plan.get("nvlink_gbps"):
-        where += f", {plan['nvlink_gbps']:.0f} GB/s per direction over NVLink"
-    return where + ")"
+    return policy.gpus_text(plan["gpus"], plan["shape"], plan.get("nvlink_gbps"), prefix="", cpu="none (CPU)")
 
 
 def _plan_ops(plan: dict) -> str:

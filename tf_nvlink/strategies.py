@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import nvml, policy, xla
+from tf_nvlink import cluster as cluster_lib
+from tf_nvlink import knobs, multi_worker, nvml, policy, rendezvous, tune, tune_cache, xla
 from tf_nvlink.topology import Topology
 
 log = logging.getLogger("tf_nvlink")
@@ -62,24 +63,25 @@ def current_plan() -> Optional[policy.Plan]:
 
 
 def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
-    """The tf.distribute.CrossDeviceOps for a plan (None means MirroredStrategy's default, CollectiveAllReduce)."""
-    name, packs = plan.cross_device_ops, plan.num_packs
-    if name == "nccl":
-        return tf.distribute.NcclAllReduce(num_packs=1 if packs is None else packs)
-    if name == "hierarchical":
-        return tf.distribute.HierarchicalCopyAllReduce(num_packs=1 if packs is None else packs)
-    if name == "reduce_to_one":
-        return tf.distribute.ReductionToOneDevice(reduce_to_device=device_names[0])
+    """The tf.distribute.CrossDeviceOps for a plan (None means MirroredStrategy's default, CollectiveAllReduce).
+
+    The class comes from `policy.OPS`, the one name -> class table."""
+    name = plan.cross_device_ops
+    if name not in policy.OPS:
+        raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
     if name == "collective":
         return None
-    raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
+    ops_class = getattr(tf.distribute, policy.OPS[name].rpartition(".")[2])
+    if name == "reduce_to_one":
+        return ops_class(reduce_to_device=device_names[0])
+    return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
 
 
-def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, knobs=()):
+def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs=knobs.DEFAULT_REQUEST):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
     ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
-    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, knobs)
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, asked_knobs)
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
@@ -111,7 +113,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             the program, before any TensorFlow op.
         peer_timeout_s: how long a worker waits for the other workers to be reachable (default 60 s).
         xla_flags: "auto" (on 2+ GPUs in fused XLA mode, add the latency-hiding scheduler to `XLA_FLAGS`), "none",
-            or a list of "--name=value" flags among `policy.KNOWN_XLA_FLAGS`. A flag the user already set in
+            or a list of "--name=value" flags among `knobs.KNOWN_XLA_FLAGS`. A flag the user already set in
             `XLA_FLAGS` is never overridden (`plan.xla_flags_kept` lists those). XLA reads `XLA_FLAGS` once, at its
             first compile in the process: build the strategy before running any jit-compiled function, or the
             flags have no effect (tf_nvlink cannot tell whether XLA has already started).
@@ -129,11 +131,9 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
-    policy.validate_xla_flags(xla_flags)  # before anything is built or recorded: a bad value costs nothing
-    policy.validate_allreduce_dtype(allreduce_dtype)
-    policy.choose_input_buffer(0, input_buffer)
-    knobs = (tuple(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags, allreduce_dtype, input_buffer)
-    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, knobs) + (
+    # Checked before anything is built or recorded: a bad value costs nothing.
+    asked_knobs = knobs.validate_request(xla_flags, allreduce_dtype, input_buffer)
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
         None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
         if _CURRENT:
@@ -144,78 +144,56 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                 f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
                 f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
                 f"arguments returns it), or run the other configuration in its own process.")
-        from tf_nvlink import multi_worker  # noqa: PLC0415 - only TF_CONFIG users need it
-
-        cluster = None if cluster_resolver is not None else multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
+        cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
         if cluster_resolver is not None or cluster is not None:
             multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
-            if knobs != ("auto", "float32", None):
+            if asked_knobs != knobs.DEFAULT_REQUEST:
                 raise ValueError(f"xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
                                  f"leave them at their defaults with several workers. Received: "
                                  f"xla_flags={xla_flags!r}, allreduce_dtype={allreduce_dtype!r}, "
                                  f"input_buffer={input_buffer!r}")
             built, plan = multi_worker.build_strategy(
                 topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
-                peer_timeout_s=multi_worker.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+                peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+            # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
+            os.environ.update(plan.process_env)
         else:
-            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, knobs)
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     return built
 
 
-def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, knobs=("auto", "float32", None)):
-    xla_flags, allreduce_dtype, input_buffer = knobs
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=knobs.DEFAULT_REQUEST):
+    """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
         raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
                          f"tf.distribute.CrossDeviceOps instance. Received: cross_device_ops={cross_device_ops!r}")
-    ops_name = "auto" if ops_instance is not None else cross_device_ops
     if devices is not None and (isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices
                                 or not all(isinstance(d, str) and d.strip() for d in devices)):
         raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
                          f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
+    ops_name = "auto" if ops_instance is not None else cross_device_ops
+    instance_name = type(ops_instance).__name__ if ops_instance is not None else ""
     topology = topology if topology is not None else nvml.probe()
-    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
-        log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
-    user_xla_flags = os.environ.get("XLA_FLAGS", "")
-    _apply_provisional_xla_flags(topology, gpus, "auto" if ops_name == "autotune" else ops_name, num_packs,
-                                 xla_allreduce, xla_flags, user_xla_flags)
-    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
-    visible = devices_lib.visible_nvml_indices(topology)
-    if topology.gpus and not tf_gpu_count:
-        log.warning("tf_nvlink: NVML sees %d GPU(s) but TensorFlow sees none (%s); falling back to the CPU.",
-                    len(topology.gpus), _why_tensorflow_sees_no_gpu(visible))
-        visible = []
-    elif topology.error and not tf_gpu_count:
-        log.warning("tf_nvlink: %s", topology.error)  # no driver / NVML: the text ends with the CPU fallback
-    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce)
-    plan = _apply_tuning(plan, topology, ops_name, num_packs)
-    if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") and not nccl_available():
-        plan, warning = without_nccl(plan)
+    user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
+    _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
+                                 asked_knobs)
+    facts = gather_facts(topology, autotune=ops_name == "autotune", user_xla_flags=user_xla_flags)
+    plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    for warning in warnings:
         log.warning("tf_nvlink: %s", warning)
     if devices:
         device_names = list(devices)
     elif plan.gpus:
-        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(topology))
+        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(facts.topology))
+    elif facts.tf_gpu_count and not facts.topology.gpus:  # GPUs NVML does not list: TensorFlow's own names
+        device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
     else:
-        if tf_gpu_count and not topology.gpus:
-            log.warning("tf_nvlink: TensorFlow sees %d GPU(s) but NVML does not (%s); mirroring over them "
-                        "with TensorFlow's default all-reduce.", tf_gpu_count,
-                        topology.error or nvml.warnings_line(topology.warnings) or "NVML lists no GPU")
-            device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
-            plan = _replace(plan, cross_device_ops="collective", num_packs=None,
-                            reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
-        else:
-            device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if ops_instance is not None:
-        plan = _replace(plan, cross_device_ops=type(ops_instance).__name__, num_packs=None,
-                        reason="a CrossDeviceOps instance given by the caller")
-        ops = ops_instance
-    else:
-        ops = build_cross_device_ops(plan, device_names)
-    plan = _replace(plan, devices=tuple(device_names))
-    plan = policy.choose_knobs(plan, user_xla_flags, xla_flags, allreduce_dtype, input_buffer)
+        device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    ops = ops_instance if ops_instance is not None else build_cross_device_ops(plan, device_names)
+    plan = dataclasses.replace(plan, devices=tuple(device_names))
     apply_xla_flags(plan, user_xla_flags)
     if plan.allreduce_dtype != "float32":
         xla.install_allreduce_dtype_hook()
@@ -223,9 +201,30 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
 
 
+def gather_facts(topology: Topology, autotune: bool = False, user_xla_flags: Optional[str] = None) -> policy.Facts:
+    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner,
+    the user's `XLA_FLAGS` (default: the current value).
+
+    With `autotune`, a missing tune winner is measured (minutes, in worker processes that need the GPUs' memory:
+    `policy.decide` asks before `devices_lib.tf_gpus()` initialises them here).
+    """
+    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
+    visible = tuple(devices_lib.visible_nvml_indices(topology))
+    cause = _why_tensorflow_sees_no_gpu(visible) if topology.gpus and not tf_gpu_count else ""
+
+    def tune_choice(gpus):
+        if autotune:
+            return tune.autotune_choice(topology, gpus)
+        return tune_cache.stored_choice(topology, gpus)
+
+    return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
+                        nccl_available=nccl_available(), tune_choice=tune_choice,
+                        user_xla_flags=os.environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags)
+
+
 def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, environ=None) -> str:
     """Set `XLA_FLAGS` in `environ` (default os.environ) to the user's value (default: the current one) followed
-    by `plan.xla_flags` (which `policy.choose_knobs` already let the user's entries win over); returns the value.
+    by `plan.xla_flags` (which `policy.decide` already let the user's entries win over); returns the value.
     XLA parses XLA_FLAGS once, at its first use in the process, so this must run before the first XLA compile
     (the strategy does it while being built, before TensorFlow creates its devices).
 
@@ -235,7 +234,7 @@ def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, env
     """
     environ = os.environ if environ is None else environ
     user = environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags
-    value, added, _ = policy.merge_xla_flags(user, plan.xla_flags)
+    value, added, _ = knobs.merge_xla_flags(user, plan.xla_flags)
     if value:
         environ["XLA_FLAGS"] = value
     else:
@@ -245,15 +244,18 @@ def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, env
     return value
 
 
-def _apply_provisional_xla_flags(topology, gpus, ops_name, num_packs, xla_allreduce, xla_flags, user_xla_flags):
-    """The XLA flags of the plan NVML alone implies, set before TensorFlow initialises its GPUs (in case that
-    already reads XLA_FLAGS); the final plan sets them again, or takes them back."""
+def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
+                                 asked_knobs):
+    """The XLA flags of the plan NVML alone implies (`policy.decide` without TensorFlow's facts), set before
+    `gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
+    again, or takes them back."""
+    facts = policy.Facts(topology=topology, visible=tuple(devices_lib.visible_nvml_indices(topology)),
+                         user_xla_flags=user_xla_flags)
     try:
-        early = policy.make_plan(topology, gpus, ops_name, num_packs, visible=devices_lib.visible_nvml_indices(
-            topology), xla_allreduce=xla_allreduce)
+        early, _ = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
     except ValueError:
-        return  # the final planning below raises or falls back, and sets the flags then
-    apply_xla_flags(policy.choose_knobs(early, user_xla_flags, xla_flags), user_xla_flags)
+        return  # the final `decide` raises or falls back, and the flags are set then
+    apply_xla_flags(early, user_xla_flags)
 
 
 def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
@@ -266,44 +268,5 @@ def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
             "installs the CUDA libraries, and the NVIDIA driver must be new enough for them")
 
 
-def nccl_available() -> bool:
-    """True when this TensorFlow build has NCCL's GPU kernels (CUDA builds do; CPU-only and ROCm ones may not)."""
-    from tensorflow.python.framework import kernels  # noqa: PLC0415
-
-    try:
-        return any(k.device_type == "GPU" for k in kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
-    except Exception:  # noqa: BLE001 - an op TensorFlow does not know at all: no NCCL
-        return False
-
-
-def without_nccl(plan: policy.Plan) -> tuple[policy.Plan, str]:
-    """The plan for a TensorFlow without NCCL kernels, and the one warning line that says so.
-
-    NcclAllReduce becomes ReductionToOneDevice (copies over NVLink/PCIe); the XLA all-reduce stays split,
-    since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
-    """
-    ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
-    change = f"using {ops} instead of {plan.cross_device_ops}" if ops != plan.cross_device_ops else f"keeping {ops}"
-    warning = (f"this TensorFlow has no NCCL GPU kernels: {change}, and jit_compile=True models all-reduce "
-               f"outside XLA (split mode)")
-    return _replace(plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
-                    xla_allreduce="split",
-                    reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
-                           f"{plan.cross_device_ops}: {plan.reason})"), warning
-
-
-def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_packs) -> policy.Plan:
-    """"autotune": the stored winner, or measure now; "auto": a stored winner beats the rules when one exists."""
-    if len(plan.gpus) < 2 or ops_name not in ("auto", "autotune") or num_packs is not None:
-        return plan
-    from tf_nvlink import tune  # noqa: PLC0415 - only multi-GPU plans need it
-
-    # Before devices_lib.tf_gpus(): measuring runs in worker processes that need the GPUs' memory.
-    if ops_name == "auto":
-        return tune.with_stored_choice(plan, topology)
-    ops, packs, reason = tune.autotune_choice(topology, plan.gpus)
-    return _replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason)
-
-
-def _replace(plan: policy.Plan, **changes) -> policy.Plan:
-    return dataclasses.replace(plan, **changes)
+nccl_available = devices_lib.nccl_available  # a fact: whether TensorFlow has NCCL's GPU kernels
+without_nccl = policy.without_nccl  # the plan without NCCL lives in the policy

@@ -325,48 +325,72 @@ class PerReplicaXlaStrategyMixin:
         return self._per_replica_functions[key][1]
 
 
-# --- Gradient all-reduce in bfloat16 (Plan.allreduce_dtype) ------------------------------------------------------
-# Why here: it hooks a Keras private method, like the trainer hooks above. Keras' TF optimizer all-reduces the
-# gradients in `TFOptimizer._all_reduce_sum_gradients` (`replica_context.all_reduce(SUM, grads)`), in fit's
-# three paths alike: no XLA, split (outside XLA) and fused (compiled into the XLA step). The hook is installed on
-# the class once, and acts only for optimizers created under a tf_nvlink strategy whose plan says "bfloat16".
-_ALLREDUCE_ORIGINAL: dict[str, Callable] = {}
+# ==== Other Keras/TensorFlow private-API touches, kept here so this module holds every one ========================
+# (moved from multi_worker.py and callbacks.py; each says why it is needed)
+
+
+class MultiWorkerKerasReduceMixin:
+    """`reduce` as Keras 3 calls it on a MultiWorkerMirroredStrategy (put it before the strategy class).
+
+    Why: Keras 3 (3.15 and earlier; keras-team/keras#20585) calls `strategy.reduce` in two ways the stock strategy
+    rejects once there are two or more workers: with a tuple of per-replica batches (`_maybe_symbolic_build`,
+    "Attempt to convert a value (PerReplica...) to a Tensor") and with `axis=0` on per-replica scalars (the
+    logs, in `reduce_per_replica`: "Invalid reduction dimension 0 for input with 0 dimensions"). Here a
+    structure is reduced leaf by leaf, and a scalar across the replicas; every call TensorFlow accepts runs
+    unchanged. GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
+    DEVICE_GPU"; int32 lives in host memory there), and Keras reduces the integer labels of a batch: int32 is
+    reduced as int64, and so are 8/16-bit integers, which collectives take on no device (uint8 image batches).
+    """
+
+    def reduce(self, reduce_op, value, axis):
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(lambda leaf: self.reduce(reduce_op, leaf, axis), value)
+        shape = getattr(value, "shape", None)
+        if axis is not None and shape is not None and shape.rank == 0:
+            axis = None  # one number per replica: the reduction is across replicas
+        local = self.experimental_local_results(value)
+        if local and getattr(local[0], "dtype", None) in (tf.int32, tf.uint8, tf.int8, tf.int16, tf.uint16):
+            wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
+            return tf.cast(super().reduce(reduce_op, wide, axis), local[0].dtype)
+        return super().reduce(reduce_op, value, axis)
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Make the next `model.fit()` start at `epoch`.
+
+    Why: Keras keeps the epoch a resumed fit starts from in the private `model._initial_epoch`, which its own
+    `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
+    """
+    model._initial_epoch = epoch  # noqa: SLF001
+
+
+# ---- Gradient all-reduce in bfloat16 (Plan.allreduce_dtype) -----------------------------------------------------
+# Why: Keras' TF optimizer all-reduces the gradients in the private `TFOptimizer._all_reduce_sum_gradients`, in
+# fit's three paths alike: no XLA, split (outside XLA) and fused (compiled into the XLA step). Hooked on the class
+# once; it acts only for optimizers created under a tf_nvlink strategy whose plan says "bfloat16".
+_ALLREDUCE_DTYPE_HOOK: dict[str, Callable] = {}
+_ALLREDUCE_DTYPE_LOCK = threading.Lock()
 
 
 def install_allreduce_dtype_hook() -> None:
-    """Make Keras optimizers under a tf_nvlink strategy with `plan.allreduce_dtype == "bfloat16"` cast float32
-    gradients to bfloat16 for the all-reduce and back to float32 after it (half the bytes; the sum is rounded to
-    bfloat16). Other gradients (bfloat16/float16 already, or other strategies' optimizers) pass unchanged.
-
-    Example (the strategy calls it for you):
-        >>> tf_nvlink.strategy(allreduce_dtype="bfloat16")
-    """
+    """Make Keras optimizers under a tf_nvlink strategy whose plan says allreduce_dtype="bfloat16" all-reduce
+    float32 gradients in bfloat16 (half the bytes; the sum is rounded to bfloat16) and cast the sums back; other
+    gradients and other strategies' optimizers pass unchanged. `tf_nvlink.strategy(allreduce_dtype="bfloat16")`
+    calls it."""
     from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
 
-    with _INSTALL_LOCK:
-        if _ALLREDUCE_ORIGINAL:
+    with _ALLREDUCE_DTYPE_LOCK:
+        if _ALLREDUCE_DTYPE_HOOK:
             return
-        original = TFOptimizer._all_reduce_sum_gradients
-        _ALLREDUCE_ORIGINAL["_all_reduce_sum_gradients"] = original
+        original = _ALLREDUCE_DTYPE_HOOK["original"] = TFOptimizer._all_reduce_sum_gradients
 
         def _all_reduce_sum_gradients(self, grads_and_vars):
             plan = getattr(getattr(self, "_distribution_strategy", None), "_tf_nvlink_plan", None)
             if getattr(plan, "allreduce_dtype", "float32") != "bfloat16":
                 return original(self, grads_and_vars)
             pairs = list(grads_and_vars)
-            narrowed = [(tf.cast(g, tf.bfloat16) if g is not None and g.dtype == tf.float32 else g, v)
-                        for g, v in pairs]
-            reduced = original(self, narrowed)
-            return [(tf.cast(r, tf.float32) if r is not None and g is not None and g.dtype == tf.float32 else r, v)
-                    for (g, _), (r, v) in zip(pairs, reduced)]
+            narrow = [g is not None and g.dtype == tf.float32 for g, _ in pairs]
+            reduced = original(self, [(tf.cast(g, tf.bfloat16) if n else g, v) for n, (g, v) in zip(narrow, pairs)])
+            return [(tf.cast(r, tf.float32) if n else r, v) for n, (r, v) in zip(narrow, reduced)]
 
         TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
-
-
-def uninstall_allreduce_dtype_hook() -> None:
-    """Restore Keras' own `_all_reduce_sum_gradients` (tests)."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
-
-    with _INSTALL_LOCK:
-        if _ALLREDUCE_ORIGINAL:
-            TFOptimizer._all_reduce_sum_gradients = _ALLREDUCE_ORIGINAL.pop("_all_reduce_sum_gradients")
