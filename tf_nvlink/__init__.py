@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 from tf_nvlink import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
-__all__ = ["strategy", "current_plan", "probe", "__version__"]
+__all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -40,3 +40,12 @@ def current_plan():
 def probe(nvml=None):
     """NVML's view of this machine's GPUs and links as a `Topology` (instant; no TensorFlow)."""
     return _nvml.probe(nvml)
+
+
+def __getattr__(name):
+    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.monitor), imported with Keras on first use."""
+    if name == "NVLinkMonitor":
+        from tf_nvlink import monitor
+
+        return monitor.NVLinkMonitor
+    raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")

@@ -214,8 +214,13 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
                       jit_compile=use_jit)
     model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0, shuffle=False)  # compiles
+    from tf_nvlink import monitor, nvlink_traffic  # NVLink bytes per step (unavailable: the record says why)
+
+    # bf16grad: the all-reduce moves bfloat16 gradients, half the bytes of the float32 variables
+    nvlink = monitor.NVLinkMonitor(gradient_dtype="bfloat16" if getattr(plan, "allreduce_dtype", "") == "bfloat16"
+                                   else None)
     started = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=[nvlink])
     seconds = time.perf_counter() - started
     record = {
         "model": model_name, "candidate": candidate, "replicas": replicas, "jit_compile": bool(model.jit_compile),
@@ -230,6 +235,7 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
         "xla_flags_env": os.environ.get("XLA_FLAGS"),
         "allreduce_dtype": getattr(plan, "allreduce_dtype", None), "input_buffer": getattr(plan, "input_buffer", None),
+        **nvlink_traffic.bench_record(nvlink),
     }
     if model_name in models.TRANSFORMER_CONFIGS:
         record["tokens_per_s"] = record["examples_per_s"] * _input_shape(model_name)[0]
