@@ -1,9 +1,10 @@
-"""The training benchmark (tf_nvlink/training_bench.py, examples/benchmark.py) on logical CPU devices."""
+"""The training benchmark (tf_nvlink/training_bench.py, its worker tf_nvlink/bench/training_worker.py, its models in
+tf_nvlink/models.py, examples/benchmark.py) on logical CPU devices."""
 
 import pytest
 
 from conftest import run_python
-from tf_nvlink import training_bench
+from tf_nvlink import models, training_bench
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -124,14 +125,14 @@ def test_two_interleaved_rounds_on_cpu(capsys):
 
 
 def test_host_batches_come_in_the_dtypes_users_feed():
-    images, labels = training_bench.synthetic_batch("convnet", 6)
+    images, labels = models.synthetic_batch("convnet", 6)
     assert images.dtype == "uint8" and images.shape == (6, 16, 16, 3) and labels.dtype == "int32"
-    tokens, targets = training_bench.synthetic_batch("transformer_tiny", 3)
+    tokens, targets = models.synthetic_batch("transformer_tiny", 3)
     assert tokens.dtype == targets.dtype == "int32" and tokens.shape == targets.shape == (3, 16)
     assert (tokens[:, 1:] == targets[:, :-1]).all()  # next-token targets
-    features, _ = training_bench.synthetic_batch("mlp", 2)
+    features, _ = models.synthetic_batch("mlp", 2)
     assert features.dtype == "float32" and features.shape == (2, 784)
-    big = training_bench.models.TRANSFORMER_CONFIGS["transformer"]
+    big = models.TRANSFORMER_CONFIGS["transformer"]
     assert (big["d_model"], big["num_layers"], big["num_heads"], big["seq_len"]) == (1024, 24, 16, 512)
 
 
@@ -141,17 +142,17 @@ def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
     import keras
     import numpy as np
 
-    x, _ = training_bench.synthetic_batch(name, 4)
+    x, _ = models.synthetic_batch(name, 4)
     keras.utils.set_random_seed(1)
-    host = training_bench.build_bench_model(name, x, keras, "host")
+    host = models.build_bench_model(name, x, keras, "host")
     keras.utils.set_random_seed(1)  # the same initial weights
-    device = training_bench.build_bench_model(name, x, keras, "device")
+    device = models.build_bench_model(name, x, keras, "device")
     order = np.array([2, 0, 3, 1], dtype="int32")
     np.testing.assert_allclose(device.predict(order, verbose=0), host.predict(x[order], verbose=0), rtol=1e-5)
     assert len(device.trainable_variables) == len(host.trainable_variables)  # the held batch is not trained
     assert host.inputs[0].dtype == x.dtype and device.inputs[0].dtype == "int32"
     with pytest.raises(ValueError, match="input should be one of \\['host', 'device'\\]"):
-        training_bench.build_bench_model(name, x, keras, "disk")
+        models.build_bench_model(name, x, keras, "disk")
 
 
 @pytest.mark.parametrize("model, candidates", [

@@ -23,6 +23,9 @@ copies. Candidates:
   localhost TF_CONFIG, so `tf_nvlink.strategy()` gives a MultiWorkerMirroredStrategy (NCCL between the
   processes); with `--cpu_devices N`, N CPU-only workers (tests). The chief's figures are reported.
 
+The models and their input are in tf_nvlink/models.py, the worker that trains one candidate (TensorFlow) in
+tf_nvlink/bench/training_worker.py; this module runs the workers and renders the table.
+
 Example:
     $ python -m tf_nvlink.training_bench --model resnet50 --candidates 1gpu,stock,auto --jit
     $ python -m tf_nvlink.training_bench --model transformer --candidates 1gpu,auto,auto@nop2p,auto@bf16grad@nop2p
@@ -30,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -39,10 +41,9 @@ from typing import Optional
 
 from tf_nvlink import atomic, models, workers
 
-MODELS = ("mlp", "resnet50", "convnet", "transformer", "transformer_tiny")
+MODELS = models.BENCH_MODELS  # built by models.build_bench_model
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica
-IMAGE_MODELS = ("resnet50", "convnet")  # fed uint8 images, cast to floats on the device
-INPUTS = ("host", "device")
+IMAGE_MODELS, INPUTS = models.IMAGE_MODELS, models.INPUTS  # uint8-fed models; host- or device-held input
 OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
 CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES + ("workers",)
 
@@ -81,165 +82,6 @@ def parse_candidates(text: str) -> list[str]:
                              f"single-process tf_nvlink strategy; {base!r} has none (only '@nop2p' and "
                              f"'@ondevice' apply). Received: {text!r}")
     return names
-
-
-def _build_body(name: str, keras):
-    """The model proper, taking float images / float features / int32 tokens."""
-    if name == "mlp":
-        return models.mnist_mlp()
-    if name == "resnet50":
-        return keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000)
-    if name == "convnet":  # small enough for CPU tests
-        return keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
-                                 keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
-    if name in models.TRANSFORMER_CONFIGS:
-        return models.transformer_lm(**models.TRANSFORMER_CONFIGS[name])
-    raise ValueError(f"model should be one of {list(MODELS)}. Received: {name!r}")
-
-
-def _input_shape(name: str) -> tuple[int, ...]:
-    if name in models.TRANSFORMER_CONFIGS:
-        return (models.TRANSFORMER_CONFIGS[name]["seq_len"],)
-    return {"mlp": (784,), "resnet50": (224, 224, 3), "convnet": (16, 16, 3)}[name]
-
-
-def synthetic_batch(name: str, global_batch: int, seed: int = 0):
-    """One global batch in host memory, in the dtype users feed: uint8 images, int32 tokens (labels: the next
-    tokens), float32 MLP features; labels int32."""
-    import numpy as np  # noqa: PLC0415
-
-    rng = np.random.default_rng(seed)
-    shape = (global_batch,) + _input_shape(name)
-    if name in models.TRANSFORMER_CONFIGS:
-        vocab = models.TRANSFORMER_CONFIGS[name]["vocab_size"]
-        tokens = rng.integers(0, vocab, size=(shape[0], shape[1] + 1)).astype("int32")
-        return tokens[:, :-1], tokens[:, 1:]
-    y = rng.integers(0, 10, size=(global_batch,)).astype("int32")
-    if name in IMAGE_MODELS:
-        return rng.integers(0, 256, size=shape).astype("uint8"), y
-    return rng.uniform(size=shape).astype("float32"), y
-
-
-def build_bench_model(name: str, x, keras, input_mode: str = "host"):
-    """The benchmark model for `name` around `_build_body`: images enter as uint8 and are cast on the device
-    (`Rescaling`, as decoded JPEGs arrive); with `input_mode="device"` the model's input is int32 example
-    indices and its first layer gathers the examples from `x`, held in a non-trainable variable on each replica's
-    device. Build inside the strategy's scope."""
-    if input_mode not in INPUTS:
-        raise ValueError(f"input should be one of {list(INPUTS)}. Received: input={input_mode!r}")
-    body = _build_body(name, keras)
-    if input_mode == "host":
-        inputs = keras.Input(x.shape[1:], dtype=str(x.dtype), name="examples")
-        features = inputs
-    else:
-        inputs = keras.Input((), dtype="int32", name="example_index")
-        features = DeviceResidentBatch(x)(inputs)
-    if name in IMAGE_MODELS:
-        features = keras.layers.Rescaling(1 / 255.0, name="uint8_to_float")(features)
-    return keras.Model(inputs, body(features), name=f"{name}_{input_mode}_fed")
-
-
-@functools.lru_cache(maxsize=None)
-def _device_resident_batch_class():
-    import keras  # noqa: PLC0415
-
-    class _DeviceResidentBatch(keras.layers.Layer):
-        """Gathers examples by index from a non-trainable copy of the batch on each replica's device."""
-
-        def __init__(self, data, **kwargs):
-            super().__init__(**kwargs)
-            self.data = self.add_weight(shape=data.shape, dtype=str(data.dtype), trainable=False,
-                                        initializer=lambda shape, dtype: data, name="device_batch")
-
-        def call(self, indices):
-            return keras.ops.take(self.data, indices, axis=0)
-
-    return _DeviceResidentBatch
-
-
-def DeviceResidentBatch(data, **kwargs):  # noqa: N802 - a layer constructor
-    """A Keras layer holding `data` (numpy) on the device; called on int32 indices, returns those examples."""
-    return _device_resident_batch_class()(data, **kwargs)
-
-
-def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: int, jit: bool,
-               mixed_precision: bool, cpu_devices: int = 0, input_mode: str = "host", warmup_steps: int = 10) -> dict:
-    """Fit `warmup_steps` steps (compiles), then time one whole `model.fit` of `steps` steps; a JSON-ready record.
-    The candidate's "@ondevice" suffix overrides `input_mode` with "device"."""
-    import numpy as np
-    import tensorflow as tf
-
-    import tf_nvlink
-
-    ops, *suffixes = candidate.split("@")
-    if "ondevice" in suffixes:
-        input_mode = "device"
-    if ops == "workers":  # MultiWorkerMirroredStrategy (TF_CONFIG): first, before any TensorFlow op runs
-        strategy = tf_nvlink.strategy()
-    if cpu_devices and ops != "workers":
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
-    import keras
-
-    if mixed_precision:
-        keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    device_kind = "CPU" if cpu_devices else "GPU"
-    devices = [d.name for d in tf.config.list_logical_devices(device_kind)]
-    plan = None
-    if ops == "workers":
-        plan = strategy.plan
-    elif ops == "1gpu":
-        strategy = tf.distribute.get_strategy()  # no strategy at all: the plain single-device path
-    elif ops == "stock":
-        strategy = tf.distribute.MirroredStrategy(devices)
-    else:
-        mode = "split" if "split" in suffixes else "fused" if "fused" in suffixes else "auto"
-        strategy = tf_nvlink.strategy(cross_device_ops=ops, devices=devices if cpu_devices else None,
-                                      xla_allreduce=mode, xla_flags="none" if "nolhs" in suffixes else "auto",
-                                      allreduce_dtype="bfloat16" if "bf16grad" in suffixes else "float32",
-                                      input_buffer=1 if "buffer1" in suffixes else None)
-        plan = tf_nvlink.current_plan()
-    replicas = strategy.num_replicas_in_sync
-    global_batch = batch_per_replica * replicas
-    x, y = synthetic_batch(model_name, global_batch)
-    features = x if input_mode == "host" else np.arange(global_batch, dtype="int32")
-    dataset = tf.data.Dataset.from_tensors((features, y)).repeat().prefetch(tf.data.AUTOTUNE)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    dataset = dataset.with_options(options)
-    use_jit = jit and ops != "stock"  # stock = what TensorFlow gives: Keras turns XLA off under a strategy
-    with strategy.scope():
-        model = build_bench_model(model_name, x, keras, input_mode)
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
-                      jit_compile=use_jit)
-    model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0, shuffle=False)  # compiles
-    from tf_nvlink import monitor, nvlink_traffic  # NVLink bytes per step (unavailable: the record says why)
-
-    # bf16grad: the all-reduce moves bfloat16 gradients, half the bytes of the float32 variables
-    nvlink = monitor.NVLinkMonitor(gradient_dtype="bfloat16" if getattr(plan, "allreduce_dtype", "") == "bfloat16"
-                                   else None)
-    started = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=[nvlink])
-    seconds = time.perf_counter() - started
-    record = {
-        "model": model_name, "candidate": candidate, "replicas": replicas, "jit_compile": bool(model.jit_compile),
-        "input": input_mode, "batch_per_replica": batch_per_replica, "global_batch": global_batch, "steps": steps,
-        "warmup_steps": warmup_steps, "fit_s": seconds, "step_ms": 1000 * seconds / steps,
-        "steps_per_s": steps / seconds, "examples_per_s": global_batch * steps / seconds,
-        "gradient_tensors": len(model.trainable_variables),
-        "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables)),
-        "gradient_mib": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20,
-        "plan": plan.summary() if plan else None, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
-        # "fused": the gradient all-reduce ran inside XLA, where TensorFlow uses its collective whatever the ops
-        "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
-        "xla_flags_env": os.environ.get("XLA_FLAGS"),
-        "allreduce_dtype": getattr(plan, "allreduce_dtype", None), "input_buffer": getattr(plan, "input_buffer", None),
-        **nvlink_traffic.bench_record(nvlink),
-    }
-    if model_name in models.TRANSFORMER_CONFIGS:
-        record["tokens_per_s"] = record["examples_per_s"] * _input_shape(model_name)[0]
-    return record
 
 
 def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Optional[int] = None, steps: int = 30,
@@ -462,6 +304,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.worker:
+        from tf_nvlink.bench.training_worker import run_worker  # noqa: PLC0415 - TensorFlow, in the worker only
+
         record = run_worker(args.model, candidates[0], args.batch_per_replica or DEFAULT_BATCH[args.model],
                             args.steps, args.jit, bool(args.mixed), args.cpu_devices, args.input, args.warmup_steps)
         print(json.dumps(record), flush=True)
