@@ -2,6 +2,7 @@
 into XLA_FLAGS (the user's win), gradients all-reduced in bfloat16, input prefetched to each replica's device."""
 
 import json
+import os
 
 import pytest
 
@@ -102,6 +103,27 @@ def test_apply_xla_flags_merges_into_the_environment():
     assert strategies.apply_xla_flags(cpu, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"] == \
         "--xla_dump_to=/tmp/d"
     assert strategies.apply_xla_flags(cpu, "", environ) == "" and "XLA_FLAGS" not in environ
+
+
+def test_xla_flags_set_before_tensorflow_is_asked_and_taken_back_on_failure(tf, monkeypatch):
+    """On a 2-GPU NVML machine the NVML-only plan's flags are in XLA_FLAGS when gather_facts asks TensorFlow for
+    its GPUs; when building then fails, the user's value is back."""
+    from tf_nvlink import strategies
+
+    topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    seen = []
+
+    def failing_gather_facts(*args, **kwargs):
+        seen.append((os.environ.get("XLA_FLAGS"), kwargs.get("user_xla_flags")))
+        raise RuntimeError("TensorFlow failed")
+
+    monkeypatch.setattr(strategies, "gather_facts", failing_gather_facts)
+    with pytest.raises(RuntimeError, match="TensorFlow failed"):
+        strategies._build("all", "auto", None, None, topo, "auto")
+    assert seen == [("--xla_dump_to=/tmp/d " + LHS, "--xla_dump_to=/tmp/d")]
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
 
 
 STRATEGY_SCRIPT = """

@@ -180,8 +180,12 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_knobs)
-    facts = gather_facts(topology, autotune=ops_name == "autotune", user_xla_flags=user_xla_flags)
-    plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    try:
+        facts = gather_facts(topology, autotune=ops_name == "autotune", user_xla_flags=user_xla_flags)
+        plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    except Exception:
+        _set_xla_flags(user_xla_flags)  # no strategy: the provisional flags are taken back
+        raise
     for warning in warnings:
         log.warning("tf_nvlink: %s", warning)
     if devices:
@@ -235,13 +239,18 @@ def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, env
     environ = os.environ if environ is None else environ
     user = environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags
     value, added, _ = knobs.merge_xla_flags(user, plan.xla_flags)
+    _set_xla_flags(value, environ)
+    if added:
+        log.info("tf_nvlink: XLA_FLAGS=%s (applies if XLA has not compiled anything yet in this process)", value)
+    return value
+
+
+def _set_xla_flags(value: str, environ=None) -> None:
+    environ = os.environ if environ is None else environ
     if value:
         environ["XLA_FLAGS"] = value
     else:
         environ.pop("XLA_FLAGS", None)
-    if added:
-        log.info("tf_nvlink: XLA_FLAGS=%s (applies if XLA has not compiled anything yet in this process)", value)
-    return value
 
 
 def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
