@@ -16,7 +16,7 @@ import re
 from typing import Callable, Optional, Sequence, Union
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import nvml
+from tf_nvlink import knobs, nvml
 from tf_nvlink.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
@@ -53,6 +53,10 @@ class Plan:
     devices: tuple[str, ...] = ()
     xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see tf_nvlink/xla/)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
+    xla_flags: tuple[str, ...] = ()  # step knobs (tf_nvlink/knobs.py): flags tf_nvlink adds to XLA_FLAGS,
+    xla_flags_kept: tuple[str, ...] = ()  # the user's XLA_FLAGS entries that won over a planned flag,
+    allreduce_dtype: str = "float32"  # the dtype gradients are all-reduced in,
+    input_buffer: int = 0  # batches prefetched to each replica's device (0: TensorFlow's default options)
 
     @property
     def on_cpu(self) -> bool:
@@ -63,13 +67,15 @@ class Plan:
         where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
-                f"[topology {self.fingerprint}]")
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}{self.knobs_summary()}: "
+                f"{self.reason} [topology {self.fingerprint}]")
+
+    def knobs_summary(self) -> str:  # the step knobs that differ from TensorFlow's defaults, as "; ..." clauses
+        return knobs.summary_clauses(self)
 
     def to_dict(self) -> dict:
         record = dataclasses.asdict(self)
-        record["gpus"] = list(self.gpus)
-        record["devices"] = list(self.devices)
+        record.update({key: list(getattr(self, key)) for key in ("gpus", "devices", "xla_flags", "xla_flags_kept")})
         record["requested"] = [list(v) if isinstance(v, tuple) else v for v in self.requested]
         record["tensorflow_class"] = OPS.get(self.cross_device_ops)
         return record
@@ -283,14 +289,15 @@ class Facts:
     no_gpu_cause: str = ""
     nccl_available: Optional[bool] = True
     tune_choice: Optional[Callable[[tuple[int, ...]], Optional[TuneChoice]]] = None
+    user_xla_flags: str = ""  # the user's XLA_FLAGS, before tf_nvlink set any
 
 
 def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", num_packs: Optional[int] = None,
-           xla_allreduce: str = "auto", ops_instance: str = "") -> tuple[Plan, list[str]]:
+           xla_allreduce: str = "auto", ops_instance: str = "", asked_knobs=knobs.DEFAULT_REQUEST) -> tuple[Plan, list]:
     """The plan `tf_nvlink.strategy()` builds from `facts`, and the warning lines to log. The report calls it too.
 
     `ops_instance`: the class name of a `tf.distribute.CrossDeviceOps` instance the caller gave (then
-    `cross_device_ops` is "auto" and only the GPUs are chosen).
+    `cross_device_ops` is "auto" and only the GPUs are chosen). `asked_knobs`: see `knobs.validate_request`.
 
     Example:
         >>> plan, warnings = decide(Facts(nvml.probe(), tf_gpu_count=2))
@@ -325,7 +332,7 @@ def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", 
     if ops_instance:
         plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
                                    reason="a CrossDeviceOps instance given by the caller")
-    return plan, warnings
+    return knobs.choose_knobs(plan, facts.user_xla_flags, *asked_knobs), warnings
 
 
 def without_nccl(plan: Plan) -> tuple[Plan, str]:

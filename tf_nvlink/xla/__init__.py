@@ -56,13 +56,15 @@ import tf_nvlink.xla.private as private
 from tf_nvlink.xla.private import (TESTED_KERAS, _STATE, CrossReplicaCallInXlaError,  # noqa: F401
                                    HookState, MultiWorkerKerasReduceMixin, UnsupportedKerasError,
                                    _in_xla_context, _install_optimizer_hooks, _keras_trainer_class,
-                                   check_keras_support, fused_allreduce_possible, log, reset_hooks_for_tests,
+                                   check_keras_support, fused_allreduce_possible, install_allreduce_dtype_hook, log,
+                                   reset_hooks_for_tests,
                                    set_initial_epoch, uninstall_keras_hooks)
 from tf_nvlink.xla.steps import PerReplicaCustomStep, PerReplicaXlaStep
 
 __all__ = ["TESTED_KERAS", "CrossReplicaCallInXlaError", "HookState", "MultiWorkerKerasReduceMixin",
            "PerReplicaCustomStep", "PerReplicaXlaStep", "PerReplicaXlaStrategyMixin", "UnsupportedKerasError",
-           "check_keras_support", "enable_per_replica_xla", "fused_allreduce_possible", "install_keras_hooks",
+           "check_keras_support", "enable_per_replica_xla", "fused_allreduce_possible",
+           "install_allreduce_dtype_hook", "install_keras_hooks",
            "reset_hooks_for_tests", "set_initial_epoch", "uninstall_keras_hooks"]
 
 
