@@ -210,6 +210,7 @@ def main():
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "transformer", "tiny"))
     parser.add_argument("--allreduce_dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--xla_allreduce", default="auto", choices=("auto", "fused", "split"))
     parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option, both setups")
     parser.add_argument("--profile", default="", help="trace 1gpu and auto (host input) into this directory")
     parser.add_argument("--profile_steps", type=int, default=10)
@@ -222,7 +223,7 @@ def main():
 
     import tf_nvlink
 
-    strategy = tf_nvlink.strategy(allreduce_dtype=args.allreduce_dtype)
+    strategy = tf_nvlink.strategy(allreduce_dtype=args.allreduce_dtype, xla_allreduce=args.xla_allreduce)
     plan = tf_nvlink.current_plan()
     print(plan.summary(), flush=True)
     import keras
