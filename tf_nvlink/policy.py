@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from typing import Optional, Sequence, Union
 
@@ -184,6 +185,7 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
     # "autotune" plans like "auto"; the strategy then swaps in the measured winner (it needs TensorFlow).
     rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops
     ops, packs, reason = _choose_ops(topology, chosen, shape, rule_request, num_packs)
+    chosen = replica_order(topology, chosen, ops)
     available = topology.indices if visible is None else tuple(visible)
     if isinstance(gpus, str) and gpus.strip().lower() == "auto" and 0 < len(chosen) < len(available):
         reason += (f"; gpus='auto' took the largest NVLink-connected group {list(chosen)} of {list(available)} "
@@ -202,15 +204,58 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
 
 
 def is_dgx1_like(topology: Topology, chosen: Sequence[int]) -> bool:
-    """8 GPUs with direct NVLink where each reaches exactly 4 others: the hybrid cube-mesh
-    HierarchicalCopyAllReduce was written for."""
-    if len(chosen) != 8:
-        return False
-    for a in chosen:
-        peers = [b for b in chosen if b != a and topology.pair(a, b).direct_links > 0]
-        if len(peers) != 4:
-            return False
-    return True
+    """8 GPUs wired as the DGX-1 hybrid cube-mesh HierarchicalCopyAllReduce was written for (see `cube_mesh_order`).
+
+    Example:
+        >>> is_dgx1_like(topo_of("dgx1_v100_x8"), range(8))
+        True
+    """
+    return cube_mesh_order(topology, chosen) is not None
+
+
+def replica_order(topology: Topology, gpus: Sequence[int], cross_device_ops: str) -> tuple[int, ...]:
+    """`gpus` in the order the strategy should mirror them for `cross_device_ops`: HierarchicalCopyAllReduce's
+    halves are positions 0-3 and 4-7, so on a cube-mesh they are made the NVLink quads; other ops keep the order.
+
+    Example:
+        >>> replica_order(topo_of("dgx1_v100_x8"), (0, 4, 1, 5, 2, 6, 3, 7), "hierarchical")
+        (0, 1, 2, 3, 4, 5, 6, 7)
+    """
+    gpus = tuple(gpus)
+    if cross_device_ops != "hierarchical":
+        return gpus
+    return cube_mesh_order(topology, gpus) or gpus
+
+
+def cube_mesh_order(topology: Topology, chosen: Sequence[int]) -> Optional[tuple[int, ...]]:
+    """`chosen` ordered for HierarchicalCopyAllReduce, or None when the GPUs are not a DGX-1 hybrid cube-mesh.
+
+    HierarchicalCopyAllReduce splits the replicas by position: the first half reduces among itself, the second
+    half too, and position k copies to position k + 4. That is fast only when each half is an NVLink quad (4 GPUs
+    all directly linked) and positions k and k + 4 are directly linked. So: 8 GPUs, two disjoint quads, every GPU
+    with exactly one direct link across. A mesh where each GPU merely has 4 peers (no quads) is not one.
+
+    Example:
+        >>> cube_mesh_order(topo_of("dgx1_v100_x8"), [0, 4, 1, 5, 2, 6, 3, 7])
+        (0, 1, 2, 3, 4, 5, 6, 7)
+    """
+    gpus = tuple(chosen)
+    if len(gpus) != 8 or len(set(gpus)) != 8:
+        return None
+
+    def linked(a: int, b: int) -> bool:
+        return topology.pair(a, b).direct_links > 0
+
+    for quad in itertools.combinations(sorted(gpus), 4):
+        if quad[0] != min(gpus):
+            break  # the quad holding the lowest GPU decides; the other one is its complement
+        other = tuple(g for g in sorted(gpus) if g not in quad)
+        if not all(linked(a, b) for half in (quad, other) for a, b in itertools.combinations(half, 2)):
+            continue
+        partners = [[b for b in other if linked(a, b)] for a in quad]
+        if all(len(p) == 1 for p in partners) and len({p[0] for p in partners}) == 4:
+            return quad + tuple(p[0] for p in partners)
+    return None
 
 
 def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, requested: str,
@@ -238,9 +283,11 @@ def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, request
                 f"all {n} GPUs reach each other {link}: NCCL all-reduce of the gradients packed into {packs} "
                 f"buffer(s), one launch per step instead of one per tensor (2x H200: 176 vs 142 GB/s for "
                 f"TensorFlow's default at 256 MiB, ResNet-50 5332 vs 5005 img/s; BUILD_NOTES.md)")
-    if shape == "nvlink-partial" and is_dgx1_like(topology, chosen):
-        return ("hierarchical", packs, "8 GPUs in a DGX-1 hybrid cube-mesh: HierarchicalCopyAllReduce was built "
-                "for exactly this shape (reduce within each NVLink quad, then across)")
+    quads_first = cube_mesh_order(topology, chosen) if shape == "nvlink-partial" else None
+    if quads_first is not None:
+        return ("hierarchical", packs, f"8 GPUs in a DGX-1 hybrid cube-mesh: HierarchicalCopyAllReduce was built "
+                f"for exactly this shape (reduce within each NVLink quad, {list(quads_first[:4])} and "
+                f"{list(quads_first[4:])}, then across their direct links; replicas ordered so)")
     if shape == "nvlink-partial":
         return ("nccl", packs, "some GPU pairs lack NVLink: NCCL routes rings over NVLink where it can and "
                 "PCIe/host memory elsewhere; hierarchical copy assumes the DGX-1 wiring and is not used")

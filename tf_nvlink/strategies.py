@@ -232,7 +232,8 @@ def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_pack
     if ops_name == "auto":
         return tune.with_stored_choice(plan, topology)
     ops, packs, reason = tune.autotune_choice(topology, plan.gpus)
-    return _replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason)
+    return _replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason,
+                    gpus=policy.replica_order(topology, plan.gpus, ops))
 
 
 def _replace(plan: policy.Plan, **changes) -> policy.Plan:

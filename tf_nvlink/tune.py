@@ -423,7 +423,8 @@ def with_stored_choice(plan, topology, path: Optional[str] = None):
     if choice is None:
         return plan
     ops, packs, reason = choice
-    return dataclasses.replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason)
+    return dataclasses.replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason,
+                               gpus=policy.replica_order(topology, plan.gpus, ops))
 
 
 def stored_choice(topology, gpus: Sequence[int], tf_version: Optional[str] = None,
