@@ -4,9 +4,14 @@ Pure functions are tested directly against fake machines (tests/fake_nvml.py and
 TensorFlow runs only in subprocesses (conftest.run_python), one per table.
 """
 
+import dataclasses
+import json
+import textwrap
+
 import pytest
 
 import fake_nvml
+from conftest import ROOT, run_python
 from fake_nvml import FakeGpu, FakeLink, FakeMachine, FakeNvml
 from tf_nvlink import nvml, policy
 
@@ -76,3 +81,198 @@ def test_item2_four_peers_without_quads_is_not_hierarchical(edges):
     assert not policy.is_dgx1_like(topo, range(8))
     plan = policy.make_plan(topo, "all")
     assert plan.shape == "nvlink-partial" and plan.cross_device_ops == "nccl", plan.summary()
+
+
+# ================================================================== items 3-6: the strategy's requests, honoured or refused
+def mixed_t4_a100():
+    """NVML 0 is a Tesla T4 (PCI 17:00.0), NVML 1 an A100 PCIe (PCI 65:00.0): CUDA's default FASTEST_FIRST order
+    makes the A100 CUDA device 0, so CUDA_VISIBLE_DEVICES=0 shows TensorFlow NVML's GPU 1."""
+    gpus = [FakeGpu("Tesla T4", fake_nvml._pci(0x17), "GPU-t4-0", (7, 5), 15, nvlink_supported=False),
+            FakeGpu("NVIDIA A100-PCIE-40GB", fake_nvml._pci(0x65), "GPU-a100-1", (8, 0), 40, nvlink_supported=False)]
+    return FakeMachine(gpus, p2p_nvlink={}, pcie_level={(0, 1): 50})
+
+
+A100_AS_CUDA_0 = ("/device:GPU:0", "device: 0, name: NVIDIA A100-PCIE-40GB, pci bus id: 0000:65:00.0, "
+                                   "compute capability: 8.0")
+
+
+def test_item3_mixed_models_map_by_pci_both_ways():
+    from tf_nvlink import devices
+
+    topo = nvml.probe(FakeNvml(mixed_t4_a100()))
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    assert devices.visible_needs_tensorflow(topo, env)
+    assert not devices.visible_needs_tensorflow(topo, dict(env, CUDA_DEVICE_ORDER="PCI_BUS_ID"))
+    assert not devices.visible_needs_tensorflow(topo, {})  # unset: every GPU, order decided by PCI mapping
+    assert not devices.visible_needs_tensorflow(topo_of("h200_x2"), env)  # one model: the orders agree
+    mapped = devices.map_tf_gpus(topo, [A100_AS_CUDA_0])
+    visible = devices.visible_from_tensorflow(mapped)
+    assert visible == [1]
+    plan = policy.make_plan(topo, "all", visible=visible)
+    assert plan.gpus == (1,) and devices.tf_device_for(plan.gpus, mapped) == ["/gpu:0"]
+    assert policy.make_plan(topo, [1], visible=visible).gpus == (1,)  # the advice below works
+    with pytest.raises(ValueError, match=r"valid GPU indices are \[1\]"):
+        policy.make_plan(topo, [0], visible=visible)
+    with pytest.raises(ValueError, match=r"Choose among \[1\]"):
+        devices.tf_device_for([0], mapped)
+
+
+def test_item4_summary_of_a_plan_on_unmapped_gpus_says_gpus():
+    plan = policy.make_plan(topo_of("h200_x2"), "all", visible=[])
+    on_mig = dataclasses.replace(plan, devices=("/device:GPU:0",), reason="MIG instance(s) ['MIG-x']")
+    assert "TensorFlow devices ['/device:GPU:0']" in on_mig.summary() and "CPU" not in on_mig.summary()
+
+
+def test_item4_mig_entries():
+    from tf_nvlink import devices
+
+    assert devices.mig_entries({"CUDA_VISIBLE_DEVICES": "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"}) == [
+        "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"]
+    assert devices.mig_entries({"CUDA_VISIBLE_DEVICES": "0,1"}) == [] == devices.mig_entries({})
+
+
+@pytest.mark.parametrize("machine, gpus, needle", [
+    ("no_driver", "0", "Driver Not Loaded"), ("no_driver", [0], "Driver Not Loaded"), ("no_driver", 0, "NVML"),
+    ("h200_x2", "0,1", "CUDA_VISIBLE_DEVICES hides every GPU"),
+])
+def test_item5_explicit_gpus_without_a_usable_gpu_raise(machine, gpus, needle):
+    visible = [] if machine == "h200_x2" else None
+    with pytest.raises(ValueError) as info:
+        policy.make_plan(topo_of(machine), gpus, visible=visible)
+    message = str(info.value)
+    assert f"gpus={gpus!r}" in message and needle in message and "'all' or 'auto'" in message, message
+    for fallback in ("all", "auto"):  # only these fall back to the CPU
+        assert policy.make_plan(topo_of(machine), fallback, visible=visible).gpus == ()
+
+
+def test_item5_reason_given_by_the_caller_is_named():
+    with pytest.raises(ValueError, match="built without CUDA"):
+        policy.make_plan(topo_of("h200_x2"), "0", visible=[], no_gpu_reason="TensorFlow is built without CUDA")
+
+
+@pytest.mark.parametrize("gpus", [[-1], "-1", (0, -2)], ids=repr)
+def test_item6_gpu_indices_refuses_negative_indices(gpus):
+    with pytest.raises(ValueError, match=r"Received: .* in gpus="):
+        policy.gpu_indices(gpus, (0, 1))
+
+
+# The strategy glue (tf_nvlink.strategies), one subprocess: what TensorFlow sees is faked as in test_reliability.
+STRATEGY_SCRIPT = textwrap.dedent("""
+    import json, logging, os, sys
+    sys.path.insert(0, {tests!r})
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import fake_nvml, test_reliability_round2 as round2
+    from tf_nvlink import devices, nvml, strategies
+
+    records = []
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                records.append(record.getMessage())
+    logging.getLogger("tf_nvlink").addHandler(Collect())
+    real_list_physical, real_list_logical = tf.config.list_physical_devices, tf.config.list_logical_devices
+    out = {{}}
+    for name, case in json.loads({cases!r}).items():
+        records.clear()
+        for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TF_CONFIG"):
+            os.environ.pop(key, None)
+        os.environ.update(case.get("env", {{}}))
+        machine = (round2.mixed_t4_a100() if case["machine"] == "mixed"
+                   else fake_nvml.MACHINES[case["machine"]]())
+        topology = nvml.probe(fake_nvml.FakeNvml(machine))
+        tf_gpus = case.get("tf_gpus", 0)
+        tf.config.list_physical_devices = lambda kind=None: (
+            [tf.config.PhysicalDevice(f"/physical_device:GPU:{{i}}", "GPU") for i in range(tf_gpus)]
+            if kind == "GPU" else real_list_physical(kind))
+        tf.config.list_logical_devices = lambda kind=None: (
+            real_list_logical("CPU")[:tf_gpus] if kind == "GPU" else real_list_logical(kind))
+        devices.tf_gpu_descs = lambda: [tuple(d) for d in case.get("descs", [])]
+        try:
+            if case.get("call") == "strategy":
+                kwargs = dict(case["kwargs"])
+                if kwargs.get("topology") == "FAKE":
+                    kwargs["topology"] = topology
+                strategies.strategy(**kwargs)
+                result = {{"error": None}}
+            else:
+                built, plan = strategies._build(case.get("gpus", "all"), "auto", None, case.get("devices"),
+                                                topology, "auto")
+                result = {{"plan": plan.to_dict(), "summary": plan.summary(),
+                           "replicas": built.num_replicas_in_sync}}
+        except Exception as error:
+            result = {{"error": type(error).__name__ + ": " + str(error)}}
+        result["warnings"] = list(records)
+        out[name] = result
+    print("STRATEGY " + json.dumps(out))
+    """)
+MIG = "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"
+STRATEGY_CASES = {  # name -> (case, expected error needles or None, check)
+    "item3 mixed, CUDA_VISIBLE_DEVICES=0, gpus=all": dict(
+        machine="mixed", env={"CUDA_VISIBLE_DEVICES": "0"}, tf_gpus=1, descs=[A100_AS_CUDA_0], devices=["/cpu:0"]),
+    "item3 mixed, CUDA_VISIBLE_DEVICES=0, gpus=[1]": dict(
+        machine="mixed", env={"CUDA_VISIBLE_DEVICES": "0"}, tf_gpus=1, descs=[A100_AS_CUDA_0], devices=["/cpu:0"],
+        gpus=[1]),
+    "item3 mixed, CUDA_VISIBLE_DEVICES=0, gpus=[0]": dict(
+        machine="mixed", env={"CUDA_VISIBLE_DEVICES": "0"}, tf_gpus=1, descs=[A100_AS_CUDA_0], devices=["/cpu:0"],
+        gpus=[0]),
+    "item4 MIG, gpus=all": dict(machine="h200_x2", env={"CUDA_VISIBLE_DEVICES": MIG}, tf_gpus=1),
+    "item4 MIG, gpus=0": dict(machine="h200_x2", env={"CUDA_VISIBLE_DEVICES": MIG}, tf_gpus=1, gpus="0"),
+    "item5 gpus=0, TensorFlow sees no GPU": dict(machine="h200_x2", gpus="0"),
+    "item5 gpus=[0], no driver": dict(machine="no_driver", gpus=[0]),
+    "item5 gpus=all, TensorFlow sees no GPU": dict(machine="h200_x2"),
+    "item6 devices=[/gpu:9]": dict(machine="no_driver", devices=["/gpu:9"]),
+    "item6 duplicate devices": dict(machine="no_driver", devices=["/cpu:0", "/device:CPU:0"]),
+    "item6 topology='x'": dict(machine="no_driver", call="strategy", kwargs={"topology": "x"}),
+    "item6 peer_timeout_s=-5": dict(machine="no_driver", call="strategy",
+                                    kwargs={"topology": "FAKE", "peer_timeout_s": -5}),
+}
+
+
+@pytest.fixture(scope="module")
+def strategy_results(tmp_path_factory):
+    code = STRATEGY_SCRIPT.format(tests=str(ROOT / "tests"), cases=json.dumps(STRATEGY_CASES))
+    result = run_python(code, env={"TF_NVLINK_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}, timeout=180)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("STRATEGY ")]
+    assert result.returncode == 0 and lines, result.stdout + result.stderr[-3000:]
+    return json.loads(lines[-1][len("STRATEGY "):])
+
+
+def test_item3_strategy_maps_mixed_models_by_pci(strategy_results):
+    assert strategy_results["item3 mixed, CUDA_VISIBLE_DEVICES=0, gpus=all"]["plan"]["gpus"] == [1]
+    assert strategy_results["item3 mixed, CUDA_VISIBLE_DEVICES=0, gpus=[1]"]["plan"]["gpus"] == [1]
+    error = strategy_results["item3 mixed, CUDA_VISIBLE_DEVICES=0, gpus=[0]"]["error"]
+    assert error.startswith("ValueError") and "valid GPU indices are [1]" in error, error
+
+
+def test_item4_mig_instance_is_used_and_said(strategy_results):
+    result = strategy_results["item4 MIG, gpus=all"]
+    assert result["replicas"] == 1 and result["plan"]["devices"] == ["/device:CPU:0"]  # the faked MIG device
+    assert "MIG" in result["plan"]["reason"] and "no NVLink plan" in result["summary"], result["summary"]
+    assert len(result["warnings"]) == 1 and MIG in result["warnings"][0] and "no NVLink" in result["warnings"][0]
+    error = strategy_results["item4 MIG, gpus=0"]["error"]
+    assert error.startswith("ValueError") and "MIG" in error and "gpus='all'" in error, error
+
+
+def test_item5_explicit_gpus_raise_all_falls_back(strategy_results):
+    error = strategy_results["item5 gpus=0, TensorFlow sees no GPU"]["error"]
+    assert error.startswith("ValueError") and "TensorFlow sees none" in error and "gpus='0'" in error, error
+    error = strategy_results["item5 gpus=[0], no driver"]["error"]
+    assert error.startswith("ValueError") and "Driver Not Loaded" in error, error
+    fallback = strategy_results["item5 gpus=all, TensorFlow sees no GPU"]
+    assert fallback["plan"]["gpus"] == [] and len(fallback["warnings"]) == 1
+    assert "falling back to the CPU" in fallback["warnings"][0]
+
+
+@pytest.mark.parametrize("name, needles", [
+    ("item6 devices=[/gpu:9]", ["'/gpu:9'", "does not have", "Received: devices=['/gpu:9']"]),
+    ("item6 duplicate devices", ["twice", "Received: devices="]),
+    ("item6 topology='x'", ["Topology", "Received: topology='x'"]),
+    ("item6 peer_timeout_s=-5", ["positive number", "Received: peer_timeout_s=-5"]),
+])
+def test_item6_strategy_arguments_validated_up_front(strategy_results, name, needles):
+    error = strategy_results[name]["error"]
+    assert error and error.startswith("ValueError: "), error
+    for needle in needles:
+        assert needle in error, (needle, error)

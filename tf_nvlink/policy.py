@@ -59,7 +59,12 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the log and the report."""
-        where = f"GPUs {list(self.gpus)} ({self.shape}" if self.gpus else "CPU (no GPU"
+        if self.gpus:
+            where = f"GPUs {list(self.gpus)} ({self.shape}"
+        elif any("GPU" in d.upper() for d in self.devices):  # MIG instances, or GPUs NVML does not list
+            where = f"TensorFlow devices {list(self.devices)} (no NVML GPU index names them"
+        else:
+            where = "CPU (no GPU"
         if self.nvlink_gbps:
             where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
@@ -126,6 +131,9 @@ def gpu_indices(spec: GpuSpec, valid: Sequence[int] = ()) -> tuple[int, ...]:
             raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
                              f"{list(valid)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
         index = int(item)
+        if index < 0:
+            raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
+                             f"{list(valid)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
         if index in indices:
             raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Name each of "
                              f"{list(valid)} at most once. Received: gpus={spec!r}")
@@ -164,11 +172,13 @@ def validate_ops(cross_device_ops: str, num_packs) -> None:
 
 def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str = "auto",
               num_packs: Optional[int] = None, visible: Optional[Sequence[int]] = None,
-              xla_allreduce: str = "auto") -> Plan:
+              xla_allreduce: str = "auto", no_gpu_reason: Optional[str] = None) -> Plan:
     """Choose GPUs and cross-device ops for `topology`.
 
     Raises ValueError for requests that cannot work (unknown GPUs or ops, NCCL without GPUs, hierarchical copy
-    on an odd number of GPUs, which silently drops the last replica's gradient).
+    on an odd number of GPUs, which silently drops the last replica's gradient, GPU indices when no GPU is
+    usable: only "all" and "auto" fall back to the CPU). `no_gpu_reason` says why no GPU is usable, for that
+    message (the caller knows, e.g. "TensorFlow is built without CUDA").
     """
     validate_ops(cross_device_ops, num_packs)
     requested = (tuple(gpus) if isinstance(gpus, (list, tuple)) else gpus, cross_device_ops, num_packs)
@@ -177,6 +187,10 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         # request is an error here too, not something that only fails on the GPU machine.
         if not (isinstance(gpus, str) and gpus.strip().lower() in ("all", "auto")):
             gpu_indices(gpus)
+            why = no_gpu_reason or topology.error or (
+                "CUDA_VISIBLE_DEVICES hides every GPU" if topology.gpus else "NVML lists no GPU")
+            raise ValueError(f"gpus={gpus!r} names GPUs, but this process can use none ({why}). Make them "
+                             f"visible, or pass gpus='all' or 'auto', which fall back to the CPU with a warning.")
         chosen: tuple[int, ...] = ()
     else:
         chosen = parse_gpus(gpus, topology, visible)

@@ -109,6 +109,13 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
+    if topology is not None and not isinstance(topology, Topology):
+        raise ValueError(f"topology should be a tf_nvlink Topology (tf_nvlink.probe() returns one) or None to probe "
+                         f"NVML now. Received: topology={topology!r}")
+    if peer_timeout_s is not None and (isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float))
+                                       or not 0 < peer_timeout_s < float("inf")):
+        raise ValueError(f"peer_timeout_s should be a positive number of seconds, or None for "
+                         f"{_default_peer_timeout()} s. Received: peer_timeout_s={peer_timeout_s!r}")
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce) + (
         None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
@@ -145,18 +152,36 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
                                 or not all(isinstance(d, str) and d.strip() for d in devices)):
         raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
                          f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
+    if devices:
+        check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
     topology = topology if topology is not None else nvml.probe()
     if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
         log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
     tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
     visible = devices_lib.visible_nvml_indices(topology)
+    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
+        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's; TensorFlow's PCI ids decide.
+        visible = devices_lib.visible_from_tensorflow(devices_lib.tf_gpus(topology))
+    mig = devices_lib.mig_entries()
+    no_gpu_warning = None
     if topology.gpus and not tf_gpu_count:
-        log.warning("tf_nvlink: NVML sees %d GPU(s) but TensorFlow sees none (%s); falling back to the CPU.",
-                    len(topology.gpus), _why_tensorflow_sees_no_gpu(visible))
+        why = _why_tensorflow_sees_no_gpu(visible)
+        no_gpu_warning = (f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none ({why}); falling back "
+                          f"to the CPU.")
+        no_gpu_reason = f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none: {why}"
         visible = []
     elif topology.error and not tf_gpu_count:
-        log.warning("tf_nvlink: %s", topology.error)  # no driver / NVML: the text ends with the CPU fallback
-    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce)
+        no_gpu_warning = no_gpu_reason = topology.error  # no driver / NVML: the text ends with the CPU fallback
+    elif mig and tf_gpu_count and not visible:
+        no_gpu_reason = (f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} names MIG instance(s), "
+                         f"which no NVML GPU index names; gpus='all' mirrors over them")
+    else:
+        no_gpu_reason = None
+    # An explicit GPU request that cannot be honoured raises here (with the reason); "all"/"auto" fall back.
+    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce,
+                            no_gpu_reason=no_gpu_reason)
+    if no_gpu_warning:
+        log.warning("tf_nvlink: %s", no_gpu_warning)
     plan = _apply_tuning(plan, topology, ops_name, num_packs)
     if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") and not nccl_available():
         plan, warning = without_nccl(plan)
@@ -173,6 +198,14 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
             device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
             plan = _replace(plan, cross_device_ops="collective", num_packs=None,
                             reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
+        elif tf_gpu_count and mig:
+            device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
+            ops_name_used = "reduce_to_one" if len(device_names) == 1 else "collective"
+            log.warning("tf_nvlink: CUDA_VISIBLE_DEVICES names MIG instance(s) %s: mirroring over TensorFlow's %d "
+                        "MIG device(s) with %s and no NVLink plan (a MIG instance has no NVLink of its own, and no "
+                        "NVML GPU index names it).", mig, len(device_names), ops_name_used)
+            plan = _replace(plan, cross_device_ops=ops_name_used, num_packs=None,
+                            reason=f"MIG instance(s) {mig}: TensorFlow's MIG device(s), no NVLink plan")
         else:
             device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
     if ops_instance is not None:
@@ -184,6 +217,40 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     plan = _replace(plan, devices=tuple(device_names))
     xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def _default_peer_timeout():
+    from tf_nvlink import multi_worker  # noqa: PLC0415
+
+    return multi_worker.DEFAULT_PEER_TIMEOUT_S
+
+
+def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
+    """Refuse device names this process does not have, and duplicates, before TensorFlow sees them (its soft
+    placement would put "/gpu:9" on CPU:0; a duplicate ends in an AssertionError).
+
+    Example:
+        >>> check_devices(["/gpu:9"], ["/device:CPU:0"])
+        ValueError: devices names '/gpu:9', which this process does not have; ... Received: devices=['/gpu:9']
+    """
+    def key(name: str):
+        spec = tf.DeviceSpec.from_string(name.strip())
+        return ((spec.device_type or "").upper(), spec.device_index or 0)
+
+    available = {key(name): name for name in existing}
+    seen = {}
+    for name in devices:
+        try:
+            wanted = key(name)
+        except ValueError:
+            wanted = None
+        if wanted not in available:
+            raise ValueError(f"devices names {name!r}, which this process does not have; its devices are "
+                             f"{list(existing)}. Received: devices={list(devices)!r}")
+        if wanted in seen:
+            raise ValueError(f"devices names {available[wanted]} twice ({seen[wanted]!r} and {name!r}); each "
+                             f"device holds one replica. Received: devices={list(devices)!r}")
+        seen[wanted] = name
 
 
 def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
