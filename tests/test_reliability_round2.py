@@ -276,3 +276,35 @@ def test_item6_strategy_arguments_validated_up_front(strategy_results, name, nee
     assert error and error.startswith("ValueError: "), error
     for needle in needles:
         assert needle in error, (needle, error)
+
+
+# ================================================================== item 8: bench sizes bounded, records validated
+@pytest.mark.parametrize("text", ["99999999999G", "17G", "20000000000"])
+def test_item8_sizes_are_bounded(text):
+    from tf_nvlink import bench
+
+    with pytest.raises(bench.BenchError, match=r"at most 16G.*Received: '" + text):
+        bench.parse_size(text)
+    assert bench.parse_size("16G") == 16 * 2**30
+
+
+GOOD_RECORD = {"label": "nccl:1", "candidate": "nccl:1", "variant": "", "size_bytes": 1024, "status": "ok",
+               "busbw": 1.5, "wrong": 0}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"size_bytes": "16M"}, "size_bytes='16M'"), ({"busbw": None}, "busbw=None"), ({"busbw": "fast"}, "busbw='fast'"),
+    ({"wrong": -1}, "wrong=-1"), ({"status": "great"}, "status='great'"), ({"label": 3}, "label=3"),
+    ({"variant": None}, "variant=None"),
+])
+def test_item8_from_json_malformed_record_is_a_clear_error(tmp_path, capsys, change, needle):
+    from tf_nvlink import bench
+
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([GOOD_RECORD, dict(GOOD_RECORD, **change)]))
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--from_json", str(path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "record 1" in err and needle in err and "Traceback" not in err, err
+    path.write_text(json.dumps([GOOD_RECORD]))
+    assert bench.main(["--from_json", str(path)]) == 0

@@ -56,6 +56,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -77,6 +78,7 @@ XLA_DOC = ("CollectiveAllReduce compiled into one XLA program per replica (repli
            "what jit_compile=True models all-reduce with in tf_nvlink's fused mode)")
 DTYPE_BYTES = 4  # float32
 MAX_PACKS = 64
+MAX_SIZE = 16 * 2**30  # the largest all-reduce size accepted: 16 GiB (1G = 4 GiB buffers are already rare)
 # The local-work correction may remove at most this share of the chained time (so it at most doubles algbw): at
 # tiny sizes per-op overhead dominates both chains and their difference is noise.
 MAX_LOCAL_SHARE = 0.5
@@ -107,6 +109,9 @@ def parse_size(text: str) -> int:
     if value <= 0 or value % DTYPE_BYTES:
         raise BenchError(f"sizes are bytes of float32 data and should be positive multiples of {DTYPE_BYTES}. "
                          f"Received: {text!r} ({value} bytes)")
+    if value > MAX_SIZE:
+        raise BenchError(f"sizes should be at most {MAX_SIZE // GIB}G (each GPU holds several buffers of that "
+                         f"size). Received: {text!r} ({value} bytes)")
     return value
 
 
@@ -962,7 +967,39 @@ def load_records(path: str) -> list[dict]:
                                                 for r in records):
         raise BenchError(f"--from_json {path!r} is not a list of tf-nvlink bench records (each with "
                          f"{', '.join(needed)}): write one with tf-nvlink bench --json FILE")
+    for number, record in enumerate(records):
+        problem = record_problem(record)
+        if problem:
+            raise BenchError(f"--from_json {path!r}: record {number} (label {record.get('label')!r}) {problem}; "
+                             f"write the file again with tf-nvlink bench --json FILE")
     return [r for r in records if r["status"] != "skipped"]
+
+
+def record_problem(record: dict) -> Optional[str]:
+    """What is wrong with one bench record's fields (None when it can be summarised and plotted).
+
+    Example:
+        >>> record_problem({"label": "nccl:1", ..., "status": "ok", "size_bytes": "16M", ...})
+        "has size_bytes='16M', expected a positive integer of bytes"
+    """
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    def integer(v, minimum):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+    checks = [("label", lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+              ("candidate", lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+              ("variant", lambda v: isinstance(v, str), "a string"),
+              ("status", lambda v: v in ("ok", "wrong", "failed", "skipped"), "ok, wrong, failed or skipped")]
+    if record.get("status") in ("ok", "wrong"):
+        checks += [("size_bytes", lambda v: integer(v, 1), "a positive integer of bytes"),
+                   ("busbw", number, "a finite non-negative number (GB/s)"),
+                   ("wrong", lambda v: integer(v, 0), "a non-negative integer")]
+    for field, ok, expected in checks:
+        if not ok(record[field]):
+            return f"has {field}={record[field]!r}, expected {expected}"
+    return None
 
 
 def run_from_json(args: argparse.Namespace) -> int:
