@@ -308,3 +308,66 @@ def test_item8_from_json_malformed_record_is_a_clear_error(tmp_path, capsys, cha
     assert info.value.code == 2 and "record 1" in err and needle in err and "Traceback" not in err, err
     path.write_text(json.dumps([GOOD_RECORD]))
     assert bench.main(["--from_json", str(path)]) == 0
+
+
+# ================================================================== item 9: cache hardening
+def tune_record(**changes):
+    from tf_nvlink import tune
+
+    record = {"fingerprint": "abc123abc123", "tf_version": "2.21.0", "gpus": [0, 1], "candidate": "nccl:1",
+              "cross_device_ops": "nccl", "num_packs": 1, "score": 200.0, "sizes": [16 * 2**20],
+              "scores": {"nccl:1": 200.0}, "n_replicas": 2, "measured_at": "2026-11-30T00:00:00+00:00"}
+    record.update(changes)
+    return record, tune.make_key(record["fingerprint"], record["tf_version"], record["gpus"])
+
+
+def test_item9_lock_file_is_not_followed_through_a_symlink(tmp_path):
+    from tf_nvlink import tune
+
+    path = tmp_path / "autotune.json"
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "autotune.json.lock").symlink_to(elsewhere)  # dangling
+    with pytest.raises(tune.CacheError, match="symbolic link"):
+        tune.store(tune_record()[0], str(path))
+    assert not elsewhere.exists()
+
+
+def test_item9_fifo_at_the_cache_path_is_refused_not_waited_on(tmp_path, caplog):
+    import os
+    import threading
+    from tf_nvlink import tune
+
+    path = tmp_path / "autotune.json"
+    os.mkfifo(path)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(entries=tune.entries(str(path))), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "reading a FIFO cache blocked"
+    assert result["entries"] == {} and "not a regular file" in caplog.text
+
+
+@pytest.mark.parametrize("change", [{"num_packs": 10**9}, {"n_replicas": 10**9}, {"sizes": [2**60]},
+                                    {"score": 1e300}, {"scores": {"nccl:1": 1e300}}, {"gpus": [0, 10**9]}],
+                         ids=lambda c: next(iter(c)))
+def test_item9_hand_edited_entries_out_of_range_are_ignored(tmp_path, change):
+    from tf_nvlink import tune
+
+    path = tmp_path / "autotune.json"
+    good, good_key = tune_record()
+    bad, bad_key = tune_record(**change)
+    if bad_key == good_key:
+        bad, bad_key = tune_record(**change, tf_version="2.20.0")
+    path.write_text(json.dumps({"format": tune.FORMAT_VERSION, "entries": {good_key: good, bad_key: bad}}))
+    assert set(tune.entries(str(path))) == {good_key}
+
+
+@pytest.mark.parametrize("xdg, expected", [("relative/cache", "~/.cache/tf_nvlink"), ("", "~/.cache/tf_nvlink"),
+                                           ("/abs/cache", "/abs/cache/tf_nvlink")])
+def test_item9_relative_xdg_cache_home_is_ignored(monkeypatch, xdg, expected):
+    import os
+    from tf_nvlink import tune
+
+    monkeypatch.delenv("TF_NVLINK_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert tune.cache_dir() == os.path.expanduser(expected)
