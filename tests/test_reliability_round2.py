@@ -278,6 +278,87 @@ def test_item6_strategy_arguments_validated_up_front(strategy_results, name, nee
         assert needle in error, (needle, error)
 
 
+# ================================================================== item 7: no measurement lost to an unusable output
+def fake_measure(calls, before_return=None):
+    """bench.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
+    from tf_nvlink import bench
+
+    def measure(candidates, target, sizes, **_):
+        calls.append(list(sizes))
+        if before_return:
+            before_return()
+        output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
+                  "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
+        return bench.to_records(output, bench.parse_candidate("reduce_to_one"), target), []
+    return measure
+
+
+BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", "1K", "--iters", "1"]
+
+
+@pytest.mark.parametrize("where", ["under a file", "missing folder", "a folder"])
+def test_item7_bench_json_unusable_path_refused_before_measuring(tmp_path, monkeypatch, capsys, where):
+    from tf_nvlink import bench
+
+    (tmp_path / "file").write_text("x")
+    path = {"under a file": tmp_path / "file" / "out.json", "missing folder": tmp_path / "nope" / "out.json",
+            "a folder": tmp_path}[where]
+    calls = []
+    monkeypatch.setattr(bench, "measure", fake_measure(calls))
+    with pytest.raises(SystemExit) as info:
+        bench.main(BENCH_ARGS + ["--json", str(path)])
+    assert info.value.code == 2 and calls == []  # refused before measuring
+    err = capsys.readouterr().err
+    assert f"--json {str(path)!r} cannot be written" in err and "Traceback" not in err, err
+
+
+def test_item7_bench_json_write_failing_after_measuring_prints_the_records(tmp_path, monkeypatch, capsys):
+    import shutil
+    from tf_nvlink import bench
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    calls = []
+    monkeypatch.setattr(bench, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
+    code = bench.main(BENCH_ARGS + ["--json", str(folder / "records.json")])
+    out, err = capsys.readouterr()
+    assert code == 1 and calls == [[1024]]
+    assert '"label": "reduce_to_one"' in out and "could not write --json" in err, (out, err)
+    assert err.count("error") == 1 and "Traceback" not in err
+
+
+def test_item7_tune_unusable_cache_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    from tf_nvlink import bench, tune
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    calls = []
+    monkeypatch.setattr(bench, "measure", fake_measure(calls))
+    with pytest.raises(SystemExit) as info:
+        tune.main(BENCH_ARGS)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and calls == [], err
+    assert "cannot be written" in err and "TF_NVLINK_CACHE_DIR" in err and "Traceback" not in err, err
+
+
+def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, monkeypatch, capsys):
+    import shutil
+    from tf_nvlink import bench, tune
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(cache))
+
+    def break_the_cache():  # the folder becomes a file while measuring
+        shutil.rmtree(cache)
+        cache.write_text("not a folder")
+    calls = []
+    monkeypatch.setattr(bench, "measure", fake_measure(calls, before_return=break_the_cache))
+    code = tune.main(BENCH_ARGS)
+    out, err = capsys.readouterr()
+    assert code == 1 and calls == [[1024]]
+    assert "winner reduce_to_one" in out and "could not store the winner" in err and "Traceback" not in err, err
+
+
 # ================================================================== item 8: bench sizes bounded, records validated
 @pytest.mark.parametrize("text", ["99999999999G", "17G", "20000000000"])
 def test_item8_sizes_are_bounded(text):

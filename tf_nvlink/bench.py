@@ -1037,6 +1037,10 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError("--compare_p2p sets NCCL_P2P_DISABLE itself; drop it from --env.")
         if args.plot:
             check_plot_available()
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            problem = atomic.unwritable_reason(path) if path and path != "-" else None
+            if problem:  # now, not after minutes of measuring
+                raise BenchError(f"{flag} {path!r} cannot be written: {problem}.")
         target = resolve_target(args.devices, args.gpus)
     except BenchError as exc:
         return _error(args, str(exc))
@@ -1058,11 +1062,22 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_text(command, target, records, skipped, args.iters, args.warmup, args.repeats, env,
                                      args.compare_p2p))
         if args.json:
-            atomic.write_atomic(args.json, json.dumps(records + _skipped_records(skipped, target), indent=1,
-                                                    allow_nan=False), mode=None)
-            print(f"# JSON records written to {args.json}")
+            text = json.dumps(records + _skipped_records(skipped, target), indent=1, allow_nan=False)
+            try:
+                atomic.write_atomic(args.json, text, mode=None)
+                print(f"# JSON records written to {args.json}")
+            except OSError as exc:  # the folder changed while measuring: keep the measurement, say why
+                print(text)
+                print(f"tf-nvlink bench: error: could not write --json {args.json!r} ({exc.strerror or exc}); the "
+                      f"records are printed above instead.", file=sys.stderr)
+                return 1
     if args.plot:
-        plot(records, args.plot, title=f"all-reduce busbw, {target.describe().split(';')[0]}")
+        try:
+            plot(records, args.plot, title=f"all-reduce busbw, {target.describe().split(';')[0]}")
+        except OSError as exc:
+            print(f"tf-nvlink bench: error: could not write --plot {args.plot!r} ({exc.strerror or exc}); the "
+                  f"results are printed above.", file=sys.stderr)
+            return 1
         if args.json != "-":
             print(f"# plot written to {args.plot}")
     return exit_code(records)

@@ -39,7 +39,7 @@ import sys
 from stat import S_ISREG
 from typing import Any, Iterator, Optional, Sequence, TextIO, Union
 
-from tf_nvlink import bench, policy
+from tf_nvlink import atomic, bench, policy
 from tf_nvlink.atomic import write_atomic
 
 log = logging.getLogger("tf_nvlink")
@@ -541,16 +541,51 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         sys.stdout.write(_render_entries(cache_path()))
         return 0
+    store_error = None
     try:
         env = bench.parse_env(args.env)
+        if args.store:
+            problem = cache_unusable_reason(cache_path())
+            if problem:  # now, not after minutes of measuring
+                raise bench.BenchError(f"the autotune cache {cache_path()} cannot be written: {problem}. Set "
+                                       f"TF_NVLINK_CACHE_DIR to a writable folder, or pass --nostore.")
         result = tune(gpus=args.gpus, sizes=args.sizes, grad_bytes=args.grad_bytes, candidates=args.candidates,
                       devices=args.devices, iters=args.iters, warmup=args.warmup, repeats=args.repeats, env=env,
-                      store_result=args.store, timeout=args.timeout)
+                      store_result=False, timeout=args.timeout)
+        if args.store:
+            try:
+                store(result.record, cache_path())
+                result.cache_path = cache_path()
+            except (OSError, CacheError) as exc:  # the folder changed while measuring: keep the measurement
+                store_error = (f"tf-nvlink tune: error: could not store the winner in {cache_path()} "
+                               f"({getattr(exc, 'strerror', None) or exc}); the results are printed above.")
     except bench.BenchError as exc:
         return bench._error(args, str(exc))
     except RuntimeError as exc:
         print(f"tf-nvlink tune: {exc}", file=sys.stderr)
         return 1
+    code = _print_result(args, result, env)
+    if store_error:
+        print(store_error, file=sys.stderr)
+        return 1
+    return code
+
+
+def cache_unusable_reason(path: str) -> Optional[str]:
+    """Why the cache at `path` could not be stored (its folder cannot be made or written); None when it can.
+
+    Example:
+        >>> cache_unusable_reason("/etc/passwd/autotune.json")
+        '/etc/passwd is not a folder'
+    """
+    try:
+        _ensure_dir(os.path.dirname(path))
+    except OSError as exc:
+        return f"{exc.filename or os.path.dirname(path)}: {exc.strerror or exc}"
+    return atomic.unwritable_reason(path)
+
+
+def _print_result(args: argparse.Namespace, result: TuneResult, env: dict) -> int:
     if args.json:
         print(json.dumps({"winner": result.winner, "cross_device_ops": result.cross_device_ops,
                           "num_packs": result.num_packs, "score": result.score, "metric": METRIC,
@@ -572,6 +607,8 @@ def run(args: argparse.Namespace) -> int:
         lines += [f"# stored under {result.key}",
                   f"#   in {result.cache_path}",
                   "#   tf_nvlink uses it for this topology fingerprint, TensorFlow version and GPU set"]
+    elif args.store:
+        lines.append(f"# not stored: the cache {cache_path()} could not be written (the error follows)")
     else:
         lines.append(f"# not stored (--nostore); the cache is {cache_path()}")
     sys.stdout.write(text + "#\n" + "\n".join(lines) + "\n")
