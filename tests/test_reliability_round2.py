@@ -452,3 +452,46 @@ def test_item9_relative_xdg_cache_home_is_ignored(monkeypatch, xdg, expected):
     monkeypatch.delenv("TF_NVLINK_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     assert tune.cache_dir() == os.path.expanduser(expected)
+
+
+# ================================================================== item 11: the benchmark example without a GPU
+TRACEBACK = ('Traceback (most recent call last):\n  File "/x/training_bench.py", line 12, in <module>\n'
+             '    strategy = build()\n    ^^^^^^^^^^^^^^^^\n'
+             'tensorflow.python.framework.errors_impl.InvalidArgumentError: No OpKernel was registered to support '
+             'Op \'NcclAllReduce\'\n')
+
+
+@pytest.mark.parametrize("error, expected", [
+    (TRACEBACK, "tensorflow.python.framework.errors_impl.InvalidArgumentError: No OpKernel was registered"),
+    ("worker timed out after 900 s", "worker timed out after 900 s"),
+    ("", "(no message)"),
+])
+def test_item11_no_traceback_text_in_tables(error, expected):
+    from tf_nvlink import training_bench
+
+    line = training_bench.error_line(error)
+    assert line.startswith(expected[:60]) and "Traceback" not in line and "\n" not in line and len(line) <= 150
+    table = training_bench.render_table([{"candidate": "nccl", "error": error}])
+    assert "Traceback" not in table and 'File "' not in table
+
+
+def test_item11_cpu_candidates_leave_out_what_needs_gpus():
+    from tf_nvlink import training_bench
+
+    kept, dropped = training_bench.cpu_candidates(
+        ["1gpu", "stock", "auto", "collective", "nccl", "reduce_to_one", "hierarchical", "auto@nop2p", "auto@fused",
+         "auto@split"])
+    assert kept == ["1gpu", "stock", "auto", "collective", "reduce_to_one", "auto@split"]
+    assert dropped == ["nccl", "hierarchical", "auto@nop2p", "auto@fused"]
+
+
+def test_item11_benchmark_example_without_gpu_says_so_first(tmp_path):
+    """examples/benchmark.py with no flags on this GPU-less machine: the first lines say so; no failed rows."""
+    result = run_python([str(ROOT / "examples" / "benchmark.py"), "--steps", "2", "--candidates",
+                         "stock,nccl,hierarchical", "--json", str(tmp_path / "r.json")], timeout=300)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert lines[1].startswith("# no GPU here (") and "--cpu_devices 2" in lines[1], lines[:3]
+    assert "left out nccl, hierarchical (they need GPUs)" in lines[1]
+    assert "FAILED" not in result.stdout and "Traceback" not in result.stdout + result.stderr, result.stdout
+    assert [r["candidate"] for r in json.loads((tmp_path / "r.json").read_text())] == ["stock"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -33,6 +34,52 @@ CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES + ("workers",)
 
 
 SUFFIXES = ("nop2p", "split", "fused")
+# Candidates that need GPUs: NCCL has no CPU kernels, HierarchicalCopyAllReduce falls back to reduce-to-one on CPU
+# devices, fused XLA all-reduce is GPU-only, NCCL_P2P_DISABLE means nothing without GPUs.
+GPU_ONLY = ("nccl", "hierarchical")
+GPU_ONLY_SUFFIXES = ("nop2p", "fused")
+CPU_FALLBACK_DEVICES = 2
+
+
+def cpu_candidates(candidates: list[str]) -> tuple[list[str], list[str]]:
+    """(what makes sense on CPU devices, what was left out because it needs GPUs).
+
+    Example:
+        >>> cpu_candidates(["1gpu", "stock", "auto", "nccl", "auto@nop2p"])
+        (['1gpu', 'stock', 'auto'], ['nccl', 'auto@nop2p'])
+    """
+    kept, dropped = [], []
+    for candidate in candidates:
+        name, _, suffix = candidate.partition("@")
+        (dropped if name in GPU_ONLY or suffix in GPU_ONLY_SUFFIXES else kept).append(candidate)
+    return kept, dropped
+
+
+def error_line(error: str, limit: int = 150) -> str:
+    """One line of a worker's error for a table: the exception line, never the traceback's frames.
+
+    Example:
+        >>> error_line('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad')
+        'ValueError: bad'
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    exceptions = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", line)]
+    frames = ("Traceback", "File \"", "^", "~")
+    plain = [line for line in lines if not line.startswith(frames)]
+    line = (exceptions or plain or lines or ["(no message)"])[-1]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def gpu_absence() -> Optional[str]:
+    """Why this machine has no GPU to benchmark (NVML, no TensorFlow), or None when NVML lists a visible one."""
+    from tf_nvlink import devices, nvml  # noqa: PLC0415
+
+    topology = nvml.probe()
+    if not topology.gpus:
+        return topology.error or "NVML lists no GPU"
+    if not devices.visible_nvml_indices(topology):
+        return f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides every GPU"
+    return None
 
 
 def parse_candidates(text: str) -> list[str]:
@@ -167,7 +214,8 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
             runs[candidate].append(record)
             where = f" (round {round_index + 1}/{rounds})" if rounds > 1 else ""
             print(f"  {candidate}{where}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
-                                               else "FAILED: " + record["error"]), file=sys.stderr, flush=True)
+                                               else "FAILED: " + error_line(record["error"])), file=sys.stderr,
+                  flush=True)
     return [combine_rounds(runs[candidate]) for candidate in candidates]
 
 
@@ -266,7 +314,7 @@ def render_table(results: list[dict]) -> str:
     lines = [header, units]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['candidate']:<22}  FAILED: {r['error'][:150]}")
+            lines.append(f"{r['candidate']:<22}  FAILED: {error_line(r['error'])}")
             continue
         vs_one = r["examples_per_s"] / one["examples_per_s"] if one else None
         scaling = vs_one / r["replicas"] if one else None
