@@ -495,3 +495,19 @@ def test_item11_benchmark_example_without_gpu_says_so_first(tmp_path):
     assert "left out nccl, hierarchical (they need GPUs)" in lines[1]
     assert "FAILED" not in result.stdout and "Traceback" not in result.stdout + result.stderr, result.stdout
     assert [r["candidate"] for r in json.loads((tmp_path / "r.json").read_text())] == ["stock"]
+
+
+# ================================================================== item 12: the example's plan line, once; --helpfull light
+def test_item12_helpfull_does_not_import_tensorflow():
+    result = run_python(["-X", "importtime", str(ROOT / "examples" / "mnist_mlp.py"), "--helpfull"], timeout=120)
+    assert "--cross_device_ops" in result.stdout, result.stderr[-2000:]  # absl exits 1 after --helpfull
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "import time:" in line}
+    assert not {"tensorflow", "keras"} & imported, sorted(m for m in imported if "tensorflow" in m or "keras" in m)
+
+
+def test_item12_example_prints_the_plan_line_once(tmp_path):
+    result = run_python([str(ROOT / "examples" / "mnist_mlp.py"), "--dataset", "digits", "--epochs", "1",
+                         "--steps_per_epoch", "1", "--model_dir", str(tmp_path / "model")], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    both = result.stdout + result.stderr
+    assert both.count("tf_nvlink plan:") == 1, both
