@@ -511,3 +511,21 @@ def test_item12_example_prints_the_plan_line_once(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     both = result.stdout + result.stderr
     assert both.count("tf_nvlink plan:") == 1, both
+
+
+# ================================================================== item 14: packaging
+def test_item14_license_pyproject_and_classifiers():
+    import configparser
+    import tomllib
+
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS" in license_text
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]
+    assert build["build-backend"] == "setuptools.build_meta" and any(r.startswith("setuptools") for r in
+                                                                      build["requires"])
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    metadata = config["metadata"]
+    assert metadata["license"] == "Apache-2.0" and metadata["license_files"].strip() == "LICENSE"
+    assert "License :: OSI Approved :: Apache Software License" in metadata["classifiers"]
+    assert "example.com" not in metadata.get("project_urls", "")  # no made-up URL
