@@ -11,9 +11,10 @@ kill and at the end of every cycle it checks:
   - no epoch repeated: once committed, an epoch is never trained again (the Epoch k/E lines of all runs of a cycle,
     counted for the committed epochs, appear once each);
   - the final test accuracy equals the uninterrupted run's (printed to 4 digits; the difference is reported).
-Tune: `tf-nvlink tune --devices cpu:2` with a cache that already holds another entry is SIGKILLed at random moments
-weighted towards the end of the run (where the cache is written); after every kill the cache must be strict JSON
-whose entries all validate, with the earlier entry intact.
+Tune: `tf-nvlink tune --devices cpu:2` with a cache that already holds another entry is SIGKILLed, every other time
+0-20 ms after its store() creates the lock file (inside the read-modify-write of the cache), otherwise at a random
+moment weighted towards the end of the run; after every kill the cache must be strict JSON whose entries all
+validate, with the earlier entry intact.
 
 Prints one summary block (and --json FILE writes it) with the figures BUILD_NOTES.md records.
 """
@@ -54,6 +55,21 @@ def run_until(command, env, kill_after, log_path):
             process.wait()
     with open(log_path) as log:
         return process.returncode, log.read(), time.monotonic() - start
+
+
+def run_until_file_appears(command, env, watched, delay, log_path, timeout=600):
+    """Run `command` in its own process group; SIGKILL the group `delay` s after `watched` appears (or at exit)."""
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        while process.poll() is None and not os.path.exists(watched) and time.monotonic() - start < timeout:
+            time.sleep(0.0005)
+        if process.poll() is None:
+            time.sleep(delay)
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return process.returncode, time.monotonic() - start
 
 
 def committed_epochs(model_dir):
@@ -123,7 +139,9 @@ def soak_training(args, rng, out):
             bad = corrupt_files(model_dir)
             if bad:
                 problems.append(f"cycle {cycles} run {runs}: corrupt files {bad}")
-            if rc == 0:
+            finished = accuracy_of(output) is not None and not os.path.exists(os.path.join(model_dir, "backup")) \
+                and os.path.exists(os.path.join(model_dir, "model.keras"))
+            if rc == 0 or finished:  # a kill after the backup's deletion ends a finished training, not a run
                 break
             if rc != -signal.SIGKILL:
                 problems.append(f"cycle {cycles} run {runs}: exit status {rc}:\n{output[-2000:]}")
@@ -181,8 +199,15 @@ def soak_tune(args, rng, out):
     for kill in range(args.tune_kills):
         os.unlink(path)
         earlier_key = tune.store(earlier, path)
-        kill_after = full * rng.uniform(0.7, 1.05)  # weighted towards the end, where the cache is written
-        rc, output, _ = run_until(command, env, kill_after, os.path.join(out, f"tune_{kill:03d}.log"))
+        log_path = os.path.join(out, f"tune_{kill:03d}.log")
+        if kill % 2 == 0:  # inside the write: the lock file appears when store() starts; kill 0-20 ms later
+            os.unlink(path + ".lock")
+            delay = rng.uniform(0.0, 0.02)
+            rc, seconds = run_until_file_appears(command, env, path + ".lock", delay, log_path)
+            kill_after = seconds
+        else:  # at a random moment weighted towards the end of the run
+            kill_after = full * rng.uniform(0.7, 1.05)
+            rc, output, _ = run_until(command, env, kill_after, log_path)
         try:
             keys = valid_cache(path, earlier_key)
         except (AssertionError, ValueError, KeyError, OSError) as exc:
@@ -190,7 +215,8 @@ def soak_tune(args, rng, out):
             continue
         stored += len(keys) > 1
         kept_old += len(keys) == 1
-        print(f"# tune kill {kill}: after {kill_after:.1f} s of {full:.1f} s, rc {rc}, cache valid with "
+        how = f"{delay * 1000:.1f} ms after store() took the lock" if kill % 2 == 0 else "at random"
+        print(f"# tune kill {kill} ({how}): after {kill_after:.1f} s of {full:.1f} s, rc {rc}, cache valid with "
               f"{len(keys)} entr{'y' if len(keys) == 1 else 'ies'}", flush=True)
     leftovers = [n for n in os.listdir(cache_dir) if n.startswith(".")]
     return {"uninterrupted_seconds": round(full, 1), "kills": args.tune_kills, "cache_valid_after_every_kill":
