@@ -235,8 +235,8 @@ class TestFakeRuns:
 
     def test_compare_p2p_runs_twice_and_prints_ratio(self, monkeypatch):
         calls = []
-        monkeypatch.setattr(bench, "spawn_worker", fake_spawn(slow_without_p2p=7.0, calls=calls))
-        monkeypatch.setattr(bench, "resolve_target", lambda devices, gpus, topology=None: CPU2)
+        monkeypatch.setattr(bench.runner, "spawn_worker", fake_spawn(slow_without_p2p=7.0, calls=calls))
+        monkeypatch.setattr(bench.cli, "resolve_target", lambda devices, gpus, topology=None: CPU2)
         code, out, _ = run_main(["--devices", "cpu:2", "--sizes", "1K,4K", "--candidates", "collective",
                                  "--compare_p2p", "--env", "FOO=1"])
         assert code == 0
@@ -250,7 +250,7 @@ class TestFakeRuns:
         assert code == 2 and "--compare_p2p sets NCCL_P2P_DISABLE" in err
 
     def test_json_to_stdout(self, monkeypatch):
-        monkeypatch.setattr(bench, "spawn_worker", fake_spawn())
+        monkeypatch.setattr(bench.runner, "spawn_worker", fake_spawn())
         code, out, err = run_main(["--devices", "cpu:2", "--sizes", "1K", "--candidates", "reduce_to_one,nccl",
                                    "--json"])
         assert code == 0 and "skipped nccl:1" in err
@@ -261,14 +261,14 @@ class TestFakeRuns:
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
                             else real(name, *a))
-        monkeypatch.setattr(bench, "spawn_worker", lambda *a, **k: pytest.fail("must fail before measuring"))
+        monkeypatch.setattr(bench.runner, "spawn_worker", lambda *a, **k: pytest.fail("must fail before measuring"))
         code, _, err = run_main(["--devices", "cpu:2", "--plot", "out.png"])
         assert code == 2 and "pip install tf-nvlink[plot]" in err
 
     def test_spawn_worker_without_result_line(self, monkeypatch):
         def fake_run(args, **kwargs):
             assert isinstance(args, list) and "shell" not in kwargs
-            assert args[1:5] == ["-m", "tf_nvlink.bench", "--worker", "--candidate"]
+            assert args[1:4] == ["-m", "tf_nvlink.bench.worker", "--candidate"]
             assert kwargs["env"]["CUDA_VISIBLE_DEVICES"] == ""
             return subprocess.CompletedProcess(args, 1, stdout="noise\n", stderr="a\nb\nImportError: x\n")
 
@@ -332,7 +332,7 @@ def test_chained_reduce_to_one_moves_data_every_iteration():
     with a single transfer, so the benchmark timed no link traffic after the first all-reduce.
     """
     iters = 4
-    command = [sys.executable, "-m", "tf_nvlink.bench", "--worker", "--inspect", "--candidate", "reduce_to_one",
+    command = [sys.executable, "-m", "tf_nvlink.bench.worker", "--inspect", "--candidate", "reduce_to_one",
                "--target", "cpu:2", "--sizes", "1K", "--iters", str(iters)]
     result = subprocess.run(command, env=bench.worker_env(CPU2), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -360,7 +360,7 @@ def test_multiline_worker_errors_become_one_line():
              "    ValueError: Device assignment required for nccl collective ops")
     [failed] = bench.to_records({"ok": False, "error": error}, bench.Candidate("nccl", 1), CPU2)
     assert failed["error"] == "ValueError: Device assignment required for nccl collective ops"
-    assert bench.short_error(ValueError("in user code:\n  File x\n  ValueError: boom")) == "ValueError: boom"
+    assert bench.one_line_error(ValueError("in user code:\n  File x\n  ValueError: boom")) == "ValueError: boom"
 
 
 class TestFromJson:
@@ -375,7 +375,7 @@ class TestFromJson:
                       "tf_version": "2.21.0",
                       "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": time_us, "wrong": 0}]}
             records += bench.to_records(output, bench.parse_candidate("nccl"), target, variant=variant)
-        records += bench._skipped_records([("hierarchical:1", "odd")], target)
+        records += bench.skipped_records([("hierarchical:1", "odd")], target)
         path.write_text(json.dumps(records))
         return path
 

@@ -50,29 +50,6 @@ def test_mnist_mlp_trains_checkpoints_and_reloads(tmp_path):
         assert "no TensorBoard logs (pip install tensorboard)" in out
 
 
-def test_mnist_mlp_resumes_a_killed_run(tmp_path):
-    flags = ["--epochs", "3", "--dataset", "digits", "--model_dir", str(tmp_path)]
-    die_after_epoch_2 = textwrap.dedent("""
-        import os, keras
-        class Die(keras.callbacks.Callback):
-            def on_epoch_end(self, epoch, logs=None):
-                if epoch == 1:
-                    os._exit(7)  # like a kill: no cleanup, the backup stays
-        make_callbacks = mnist_mlp.make_callbacks
-        mnist_mlp.make_callbacks = lambda model_dir: make_callbacks(model_dir) + [Die()]
-        """).replace("\n", "\n        ")
-    killed = run_python(_with_cpu_replicas(1, flags, die_after_epoch_2), timeout=120)
-    assert killed.returncode == 7, killed.stdout + killed.stderr
-    assert "Epoch 2/3" in killed.stdout and (tmp_path / "backup").is_dir()
-
-    resumed = run_python([MNIST_MLP, *flags], timeout=120)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"found {tmp_path}/backup: resuming" in resumed.stdout
-    epochs = re.findall(r"^Epoch (\d)/3$", resumed.stdout, re.M)
-    assert epochs == ["3"], resumed.stdout
-    assert "test accuracy: " in resumed.stdout and not (tmp_path / "backup").exists()
-
-
 def test_mnist_mlp_two_replicas_split_the_global_batch(tmp_path):
     argv = ["--batch_size", "64", "--steps_per_epoch", "5", "--epochs", "1", "--dataset", "digits",
             "--model_dir", str(tmp_path)]

@@ -7,8 +7,8 @@
 4. security basics: no shell, no string-built commands, user-only cache files, strict JSON.
 
 TensorFlow runs only in subprocesses (conftest.run_python or Popen), one subprocess per TensorFlow table,
-so the whole file takes about 30 s on a 2-core machine. Checks that need a change in a file this suite's author could not
-edit skip with a reason that says which change ("pending ... patch"), instead of passing vacuously.
+so the whole file takes about 30 s on a 2-core machine. A renamed or missing name fails (AttributeError), never
+skips.
 """
 
 import ast
@@ -32,15 +32,13 @@ import pytest
 import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeNvml
-from tf_nvlink import atomic, datasets, nvml, policy, tune
+from tf_nvlink import atomic, cluster, datasets, nvml, policy, tune, tune_cache
 from tf_nvlink.topology import Topology
 
 MNIST_MLP = str(ROOT / "examples" / "mnist_mlp.py")
 EXAMPLES = str(ROOT / "examples")
 # Library and example code this file audits (tests write scratch files freely).
-SOURCES = sorted([*(ROOT / "tf_nvlink").glob("*.py"), *(ROOT / "examples").glob("*.py")])
-POLICY_CHECKS_FORM_WITHOUT_GPUS = hasattr(policy, "gpu_indices")
-PENDING_POLICY = "pending policy.py patch: gpus is not checked at all when the process sees no GPU"
+SOURCES = sorted([*(ROOT / "tf_nvlink").rglob("*.py"), *(ROOT / "examples").glob("*.py")])
 
 
 def machine_of(name, **changes):
@@ -75,17 +73,13 @@ GPUS_CASES = [  # (gpus, what the message must contain besides the value: the va
 
 @pytest.mark.parametrize("gpus, choices", GPUS_CASES, ids=[repr(c[0]) for c in GPUS_CASES])
 def test_bad_gpus_on_a_two_gpu_machine(gpus, choices):
-    if isinstance(gpus, (float, type(None))) and not POLICY_CHECKS_FORM_WITHOUT_GPUS:
-        pytest.skip("pending policy.py patch: make_plan raises TypeError (tuple(gpus)) before checking gpus")
     _raises_naming(lambda: policy.make_plan(topo_of(H200), gpus), f"gpus={gpus!r}", choices)
 
 
 @pytest.mark.parametrize("gpus", ["0,0", "-1", "abc", "", [], [0, "x"], None, 1.5],
                          ids=lambda v: repr(v))
 def test_bad_gpus_without_any_gpu_are_still_refused(gpus):
-    """A malformed request fails on a laptop too, not first on the GPU machine (well-formed indices fall back)."""
-    if not POLICY_CHECKS_FORM_WITHOUT_GPUS:
-        pytest.skip(PENDING_POLICY)
+    """A malformed request fails on a laptop too, not first on the GPU machine (well-formed ones name the reason)."""
     _raises_naming(lambda: policy.make_plan(topo_of("no_driver"), gpus), f"gpus={gpus!r}")
     assert policy.make_plan(topo_of("no_driver"), "all").gpus == ()  # "all" falls back to the CPU
     # (well-formed indices raise since issue 15 item 5: tests/test_reliability_round2.py)
@@ -164,13 +158,7 @@ TF_CONFIG_CASES = [  # (id, TF_CONFIG text, needles: the bad value, and the vali
 
 @pytest.mark.parametrize("text, needles", [c[1:] for c in TF_CONFIG_CASES], ids=[c[0] for c in TF_CONFIG_CASES])
 def test_bad_tf_config(text, needles):
-    try:
-        from tf_nvlink import multi_worker
-    except ImportError:
-        pytest.skip("tf_nvlink/multi_worker.py (TF_CONFIG parsing) has not landed yet")
-    if not hasattr(multi_worker, "parse_tf_config"):
-        pytest.skip("tf_nvlink.multi_worker has no parse_tf_config yet")
-    _raises_naming(lambda: multi_worker.parse_tf_config(text), *needles, error=multi_worker.TfConfigError)
+    _raises_naming(lambda: cluster.parse_tf_config(text), *needles, error=cluster.TfConfigError)
 
 
 # The example's flags: absl's own checks (bounds, enums) and main()'s (gpus, num_packs, model_dir, batch split).
@@ -244,8 +232,6 @@ def flag_results(tmp_path_factory):
 def test_bad_example_flags(flag_results, name):
     results, not_a_dir = flag_results
     message = results[name]
-    if name.startswith("gpus") and message.startswith("accepted") and not POLICY_CHECKS_FORM_WITHOUT_GPUS:
-        pytest.skip(PENDING_POLICY + " (this machine has none, so --gpus is ignored)")
     assert message.startswith(("IllegalFlagValueError", "UsageError")), message
     for needle in FLAG_CASES[name][1]:
         assert needle.format(file=not_a_dir) in message, (needle, message)
@@ -348,8 +334,7 @@ DEGRADE_SCRIPT = textwrap.dedent("""
     real_list_physical, real_list_logical = tf.config.list_physical_devices, tf.config.list_logical_devices
     real_kernels, real_cuda = kernels.get_registered_kernels_for_op, tf.test.is_built_with_cuda
     cases = json.loads({cases!r})
-    out = {{"patched": hasattr(strategies, "_why_tensorflow_sees_no_gpu"),
-            "nccl_check": hasattr(strategies, "nccl_available")}}
+    out = {{}}
     for name, case in cases.items():
         records.clear()
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -396,7 +381,6 @@ DEGRADE_CASES = {
     "devices empty": dict(machine="no_driver", devices=[]),
     "devices not names": dict(machine="no_driver", devices=["/cpu:0", 1]),
 }
-PENDING_STRATEGIES = "pending strategies.py patch (see the reliability report): "
 
 
 @pytest.fixture(scope="module")
@@ -420,8 +404,6 @@ def test_nvml_sees_gpus_tensorflow_none_falls_back_to_the_cpu(degraded):
     result = degraded["nvml sees GPUs, TensorFlow none"]
     line = _one_warning(result, "NVML sees 2 GPU(s) but TensorFlow sees none", "falling back to the CPU")
     assert result["plan"]["gpus"] == [] and result["plan"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
-    if not degraded["patched"]:
-        pytest.skip(PENDING_STRATEGIES + "the cause blames CUDA_VISIBLE_DEVICES even when it is unset")
     assert "CUDA_VISIBLE_DEVICES" not in line and "could not initialise CUDA" in line, line
 
 
@@ -439,8 +421,6 @@ def test_tensorflow_without_cuda_is_named(degraded):
 def test_no_nvml_and_no_gpu_warns_once(degraded):
     result = degraded["no NVML, no GPU"]
     assert result["plan"]["gpus"] == [] and result["plan"]["cross_device_ops"] == "reduce_to_one"
-    if not degraded["patched"] and not result["warnings"]:
-        pytest.skip(PENDING_STRATEGIES + "a missing NVML on a GPU-less machine is not warned about")
     _one_warning(result, "no NVIDIA driver / NVML", "Driver Not Loaded", "falls back to the CPU")
 
 
@@ -454,9 +434,6 @@ def test_tensorflow_sees_gpus_nvml_none_uses_tensorflows_default(degraded):
 def test_nvml_unknown_errors_are_one_warning_line(degraded):
     result = degraded["NVML Unknown on every link"]
     assert result["plan"]["gpus"] == [0, 1] and result["replicas"] == 2  # planned with what NVML did answer
-    if not degraded["patched"]:
-        assert len(result["warnings"]) == 36  # one per GPU and link
-        pytest.skip(PENDING_STRATEGIES + "each NVML warning is its own log line (36 here)")
     _one_warning(result, "NVLink 0 version failed: Unknown Error", "and 35 more NVML warnings", "tf-nvlink report")
 
 
@@ -466,8 +443,6 @@ def test_nvml_not_supported_is_silent(degraded):
 
 
 def test_nccl_kernels_missing_falls_back_to_a_non_nccl_choice(degraded):
-    if not degraded["nccl_check"]:
-        pytest.skip(PENDING_STRATEGIES + "NCCL availability is not checked")
     for name in ("no NCCL kernels, auto", "no NCCL kernels, nccl asked"):
         result = degraded[name]
         _one_warning(result, "no NCCL GPU kernels", "reduce_to_one instead of nccl", "split")
@@ -481,16 +456,12 @@ def test_nccl_kernels_missing_falls_back_to_a_non_nccl_choice(degraded):
 def test_nccl_kernels_missing_is_not_mentioned_where_nccl_is_not_used(degraded):
     result = degraded["no NCCL kernels, one GPU"]
     assert result["plan"]["cross_device_ops"] == "reduce_to_one" and result["plan"]["xla_allreduce"] == "split"
-    if not degraded["patched"] and result["warnings"]:
-        pytest.skip(PENDING_STRATEGIES + "one GPU gets 'using reduce_to_one instead of reduce_to_one'")
     assert result["warnings"] == []
 
 
 @pytest.mark.parametrize("name", ["devices as one string", "devices empty", "devices not names"])
 def test_bad_devices_argument(degraded, name):
     error = degraded[name].get("error", "")
-    if not degraded["patched"] and not error.startswith("ValueError: devices should be"):
-        pytest.skip(PENDING_STRATEGIES + f"devices is not checked ({name}: {error or 'accepted'})")
     devices = DEGRADE_CASES[name]["devices"]
     assert error.startswith("ValueError: ") and f"devices={devices!r}" in error and "['/gpu:0', '/gpu:1']" in error
 
@@ -593,7 +564,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, {examples!r})
     import keras, mnist_mlp
-    from tf_nvlink import callbacks, models, tune
+    from tf_nvlink import callbacks, models, tune, tune_cache
 
     backup = {backup!r}
     x = np.random.default_rng(0).random((64, 784)).astype("float32")
@@ -632,7 +603,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
                     torn.write(b"torn")
                 raise Killed()
             return real_replace(src, dst)
-        tune.os.replace = replace
+        tune_cache.os.replace = replace
         callback = callbacks.AtomicBackupAndRestore(backup)
         callback.set_model(first)
         callback._current_epoch = 2
@@ -643,7 +614,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
         except Killed:
             pass
         finally:
-            tune.os.replace, os.unlink = real_replace, unlink
+            tune_cache.os.replace, os.unlink = real_replace, unlink
         resumed = resume()
         got = weights(resumed)
         out[str(point)] = {{
@@ -702,7 +673,7 @@ def test_write_atomic_keeps_the_old_file_when_killed(tmp_path, monkeypatch):
     def killed(*args):
         raise Killed()
 
-    monkeypatch.setattr(tune.os, "replace", killed)
+    monkeypatch.setattr(tune_cache.os, "replace", killed)
     with pytest.raises(Killed):
         atomic.write_atomic(str(path), '{"new": true}\n')
     monkeypatch.undo()
@@ -744,20 +715,6 @@ SUBPROCESS_CALLS = {"subprocess.run", "subprocess.Popen", "subprocess.call", "su
 WRITE_METHODS = {"save", "save_weights", "savefig", "write_text", "write_bytes", "tofile"}
 WRITE_FUNCTIONS = {"json.dump", "np.save", "np.savez", "np.savez_compressed", "numpy.save", "pickle.dump",
                    "shutil.copy", "shutil.copyfile", "shutil.copy2"}
-# Writes that are not atomic yet, in files this suite's author may not edit: each has a patch in the report
-# (write through atomic.write_atomic / atomic.atomic_path). A NEW non-atomic write anywhere fails the test.
-PENDING_WRITES = {
-    ("tf_nvlink/bench.py", "open"): "--json records",
-    ("tf_nvlink/bench.py", "json.dump"): "--json records",
-    ("tf_nvlink/bench.py", "savefig"): "--plot PNG",
-    ("tf_nvlink/training_bench.py", "open"): "--json results",
-    ("tf_nvlink/training_bench.py", "json.dump"): "--json results",
-    ("examples/benchmark.py", "open"): "--json results",
-    ("examples/benchmark.py", "json.dump"): "--json results",
-    ("examples/multi_worker.py", "save"): "the chief's model.keras (and the others' scratch copy)",
-}
-
-
 def _name(node):
     if isinstance(node, ast.Name):
         return node.id
@@ -830,14 +787,10 @@ def test_no_shell_and_no_string_built_commands(audit):
     assert shell == []
 
 
-def test_every_file_write_is_atomic_or_a_known_pending_patch(audit):
+def test_every_file_write_is_atomic(audit):
     _, writes = audit
-    new = [where for relative, kind, where in writes if (relative, kind) not in PENDING_WRITES]
-    assert new == [], "non-atomic writes; use atomic.write_atomic or `with atomic.atomic_path(...)`: " + str(new)
-    pending = sorted({f"{relative} {kind} ({PENDING_WRITES[relative, kind]})" for relative, kind, _ in writes})
-    if pending:
-        pytest.skip("pending patches (report), non-atomic writes in files this suite may not edit: "
-                    + "; ".join(pending))
+    assert writes == [], "non-atomic writes; use atomic.write_atomic or `with atomic.atomic_path(...)`: " + str(
+        [where for _, _, where in writes])
 
 
 def test_the_audit_sees_what_it_looks_for(tmp_path):

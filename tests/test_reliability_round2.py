@@ -304,7 +304,7 @@ def test_item7_bench_json_unusable_path_refused_before_measuring(tmp_path, monke
     path = {"under a file": tmp_path / "file" / "out.json", "missing folder": tmp_path / "nope" / "out.json",
             "a folder": tmp_path}[where]
     calls = []
-    monkeypatch.setattr(bench, "measure", fake_measure(calls))
+    monkeypatch.setattr(bench.cli, "measure", fake_measure(calls))  # what `tf-nvlink bench` runs
     with pytest.raises(SystemExit) as info:
         bench.main(BENCH_ARGS + ["--json", str(path)])
     assert info.value.code == 2 and calls == []  # refused before measuring
@@ -319,7 +319,7 @@ def test_item7_bench_json_write_failing_after_measuring_prints_the_records(tmp_p
     folder = tmp_path / "out"
     folder.mkdir()
     calls = []
-    monkeypatch.setattr(bench, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
+    monkeypatch.setattr(bench.cli, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
     code = bench.main(BENCH_ARGS + ["--json", str(folder / "records.json")])
     out, err = capsys.readouterr()
     assert code == 1 and calls == [[1024]]

@@ -13,7 +13,7 @@ import pytest
 
 import fake_nvml
 from fake_nvml import FakeNvml
-from tf_nvlink import bench, nvml, tune
+from tf_nvlink import bench, nvml, tune, tune_cache
 from tf_nvlink.topology import Topology
 
 
@@ -23,7 +23,7 @@ def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache" / "tf_nvlink"
     monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(folder))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    tune._WARNED.clear()
+    tune_cache._WARNED.clear()
     return folder
 
 
@@ -86,7 +86,7 @@ class TestStore:
         def broken_replace(src, dst):
             raise OSError("disk full")
 
-        monkeypatch.setattr(tune.os, "replace", broken_replace)
+        monkeypatch.setattr(tune_cache.os, "replace", broken_replace)
         with pytest.raises(OSError, match="disk full"):
             tune.store(record(score=2.0, gpus=(2, 3)))
         assert (cache / "autotune.json").read_bytes() == before
@@ -253,7 +253,7 @@ class TestStoredChoice:
 
     def test_autotune_choice_measures_once(self, monkeypatch):
         calls = []
-        monkeypatch.setattr(tune, "_tf_version", lambda: "2.21.0")
+        monkeypatch.setattr(tune_cache, "_tf_version", lambda: "2.21.0")
         spawn = fake_spawn({"collective": [100.0, 100.0], "nccl:1": [200.0, 200.0], "nccl:4": [190.0, 190.0],
                             "hierarchical:1": [150.0, 150.0], "reduce_to_one": [180.0, 180.0]}, calls=calls)
         first = tune.autotune_choice(h200(), (0, 1), spawn=spawn, progress=None)
@@ -296,11 +296,14 @@ def test_report_and_auto_plan_show_a_stored_winner():
     topo = h200()
     before = report.collect(topology=topo, with_tf=False)["plan"]
     assert (before["cross_device_ops"], before["num_packs"]) == ("nccl", 1)
-    tune.store(record(fingerprint=topo.fingerprint(), tf_version=tune._tf_version(), ops="hierarchical", packs=2))
+    tune.store(record(fingerprint=topo.fingerprint(), tf_version=tune_cache._tf_version(), ops="hierarchical", packs=2))
     after = report.collect(topology=topo, with_tf=False)["plan"]
     assert (after["cross_device_ops"], after["num_packs"]) == ("hierarchical", 2)
     assert after["reason"].startswith("autotuned on this machine: hierarchical:2")
-    plan = tune.with_stored_choice(policy.make_plan(topo), topo)
+    facts = policy.Facts(topo, tf_gpu_count=2, tune_choice=lambda gpus: tune.stored_choice(topo, gpus))
+    plan, warnings = policy.decide(facts)  # what tf_nvlink.strategy() decides from the same facts
     assert (plan.cross_device_ops, plan.num_packs, plan.xla_allreduce) == ("hierarchical", 2, "fused")
-    single = policy.make_plan(topo, gpus="0")
-    assert tune.with_stored_choice(single, topo) is single
+    assert plan.to_dict() == {k: v for k, v in after.items() if k not in ("summary", "error", "warnings")}
+    assert warnings == []
+    single, _ = policy.decide(facts, gpus="0")
+    assert single == policy.make_plan(topo, gpus="0")

@@ -12,6 +12,8 @@ so `tf-nvlink report --no-tf` answers instantly.
 
 __version__ = "0.1.0"
 
+from tf_nvlink import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
+
 __all__ = ["strategy", "current_plan", "probe", "__version__"]
 
 
@@ -37,6 +39,4 @@ def current_plan():
 
 def probe(nvml=None):
     """NVML's view of this machine's GPUs and links as a `Topology` (instant; no TensorFlow)."""
-    from tf_nvlink.nvml import probe as nvml_probe
-
-    return nvml_probe(nvml)
+    return _nvml.probe(nvml)

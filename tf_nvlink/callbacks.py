@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 
 import keras
 
-from tf_nvlink import atomic
-from tf_nvlink.tune import strict_loads
+from tf_nvlink import atomic, xla
+from tf_nvlink.text import strict_loads
 
 
 def save_atomically(model, path):
@@ -110,7 +110,7 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)  # so the optimizer's state loads too
         self.model.load_weights(os.path.join(self.backup_dir, backup.weights))
-        self.model._initial_epoch = backup.epochs_done  # what keras.callbacks.BackupAndRestore sets
+        xla.set_initial_epoch(self.model, backup.epochs_done)  # what keras.callbacks.BackupAndRestore does
 
     def _save_model(self):
         if not self.write:

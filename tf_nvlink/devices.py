@@ -156,3 +156,14 @@ def tf_device_for(nvml_indices: Iterable[int], mapped: list[TfGpu]) -> list[str]
                          f"NVML GPUs {seen} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). "
                          f"Choose among {seen}.")
     return [f"/gpu:{by_nvml[i].tf_index}" for i in wanted]
+
+
+def nccl_available() -> bool:
+    """True when this TensorFlow build has NCCL's GPU kernels (CUDA builds do; CPU-only and ROCm ones may not).
+    Imports TensorFlow."""
+    from tensorflow.python.framework import kernels  # noqa: PLC0415 - TensorFlow stays lazy here
+
+    try:
+        return any(k.device_type == "GPU" for k in kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
+    except Exception:  # noqa: BLE001 - an op TensorFlow does not know at all: no NCCL
+        return False

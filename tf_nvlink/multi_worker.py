@@ -3,364 +3,43 @@ local GPUs and links.
 
 TensorFlow's multi-worker training runs one process per worker; `TF_CONFIG` (or a cluster resolver, e.g.
 `tf.distribute.cluster_resolver.SlurmClusterResolver`) tells each process the cluster and which task it is.
-This module
-
-- parses `TF_CONFIG` strictly (`parse_tf_config`): bad JSON, a bad shape, a task that is not in the cluster or
-  duplicate addresses fail at once with a message naming the bad value, not minutes later inside gRPC;
-- picks the collective implementation from this worker's topology (`communication_options`): NCCL on GPUs,
-  RING on CPU-only workers;
-- waits, bounded, until every other worker accepts TCP connections (`wait_for_peers`), so a missing or
-  misaddressed worker is an error naming its address instead of a silent hang;
-- builds the strategy and a plan recording every worker's topology (`build_strategy`).
+The jobs are split: `tf_nvlink.cluster` parses the cluster (pure), `policy.choose_implementation` picks the
+collective implementation (NCCL on GPUs, RING on CPU-only workers), `tf_nvlink.rendezvous` waits for the peers
+(network). This module builds the strategy and a plan recording every worker's topology (`build_strategy`), and
+shares small facts between workers (`check_same_everywhere`). It imports TensorFlow; `tf_nvlink.cluster` does not.
 
 Example (each worker runs the same program; only TF_CONFIG's task index differs):
-    >>> from tf_nvlink import multi_worker, nvml
-    >>> cluster = multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
-    >>> strategy, plan = multi_worker.build_strategy(nvml.probe(), cluster)   # first thing in the program
+    >>> from tf_nvlink import cluster, multi_worker, nvml
+    >>> config = cluster.parse_tf_config(os.environ.get("TF_CONFIG"))
+    >>> strategy, plan = multi_worker.build_strategy(nvml.probe(), config)   # first thing in the program
+    >>> os.environ.update(plan.process_env)   # what tf_nvlink.strategy() does: NCCL reads it at its first all-reduce
     >>> print(plan.summary())
     tf_nvlink plan: MultiWorkerMirroredStrategy, 2 workers x 2 GPU replica(s) = 4 replicas; this is worker:0 ...
-
-Only the standard library is imported here at module level: TensorFlow is imported when a strategy or
-communication options are built, so `parse_tf_config` stays instant.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
-import math
-import os
-import re
 import socket
-import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import context
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import nvml, policy
+from tf_nvlink import nvml, policy, xla
+# The names users and tests reach through this module, from where they live now.
+from tf_nvlink.cluster import (COLLECTIVE_JOBS, JOBS, ClusterConfig, TfConfigError, loopback_nccl_env,  # noqa: F401
+                               parse_tf_config, split_address)
+from tf_nvlink.policy import choose_implementation
+from tf_nvlink.rendezvous import DEFAULT_PEER_TIMEOUT_S, PeerUnreachableError, wait_for_peers  # noqa: F401
 from tf_nvlink.topology import Topology
 
 log = logging.getLogger("tf_nvlink")
 
-DEFAULT_PEER_TIMEOUT_S = 60.0
-# The jobs MultiWorkerMirroredStrategy knows: the all-reduce runs over "chief" and "worker"; an "evaluator"
-# evaluates checkpoints on the side and is not part of it.
-COLLECTIVE_JOBS = ("chief", "worker")
-JOBS = COLLECTIVE_JOBS + ("evaluator",)
-_EXAMPLE = ('{"cluster": {"worker": ["host1:12345", "host2:12345"]}, "task": {"type": "worker", "index": 0}}')
-_ADDRESS = re.compile(r"^(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
 _KV_PREFIX = "tf_nvlink/multi_worker/worker/"
-
-
-class TfConfigError(ValueError):
-    """TF_CONFIG (or a cluster resolver's cluster) cannot describe a MultiWorkerMirroredStrategy cluster."""
-
-
-class PeerUnreachableError(TimeoutError):
-    """Some other worker did not accept a TCP connection within the timeout."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    """A validated cluster: job name -> task addresses ("host:port"), and which task this process is.
-
-    Worker ids follow TensorFlow (`multi_worker_util.id_in_cluster`): the chief is 0, then the workers in order.
-    """
-
-    jobs: Mapping[str, tuple[str, ...]]
-    task_type: str
-    task_index: int
-    rpc_layer: Optional[str] = None
-    source: str = "TF_CONFIG"
-
-    @property
-    def task(self) -> str:
-        """This task as "worker:1"."""
-        return f"{self.task_type}:{self.task_index}"
-
-    @property
-    def address(self) -> str:
-        return self.jobs[self.task_type][self.task_index]
-
-    @property
-    def members(self) -> tuple[tuple[str, str], ...]:
-        """(task, address) of everyone in the all-reduce, by worker id: the chief, then the workers."""
-        return tuple((f"{job}:{i}", address) for job in COLLECTIVE_JOBS
-                     for i, address in enumerate(self.jobs.get(job, ())))
-
-    @property
-    def worker_count(self) -> int:
-        return len(self.members)
-
-    @property
-    def worker_id(self) -> Optional[int]:
-        """This task's place in the all-reduce (0 = the chief, or worker 0 without a chief); None for an evaluator."""
-        tasks = [task for task, _ in self.members]
-        return tasks.index(self.task) if self.task in tasks else None
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this task saves the model and checkpoints (TensorFlow's rule: the chief, else worker 0)."""
-        return self.worker_id == 0
-
-    @property
-    def peers(self) -> tuple[tuple[str, str], ...]:
-        """(task, address) of the other members of the all-reduce."""
-        return tuple(member for member in self.members if member[0] != self.task)
-
-    def cluster_spec(self) -> dict[str, list[str]]:
-        """The cluster as `tf.train.ClusterSpec` takes it."""
-        return {job: list(addresses) for job, addresses in self.jobs.items()}
-
-    def to_dict(self) -> dict:
-        return {"cluster": self.cluster_spec(), "task": {"type": self.task_type, "index": self.task_index},
-                "rpc_layer": self.rpc_layer, "source": self.source, "worker_count": self.worker_count,
-                "worker_id": self.worker_id, "is_chief": self.is_chief}
-
-    @classmethod
-    def from_resolver(cls, resolver) -> "ClusterConfig":
-        """The cluster a `tf.distribute.cluster_resolver.ClusterResolver` describes, validated like TF_CONFIG."""
-        name = type(resolver).__name__
-        spec = resolver.cluster_spec()
-        jobs = spec.as_dict() if hasattr(spec, "as_dict") else dict(spec)
-        # ClusterSpec.as_dict() gives a dict {index: address} for sparse jobs: keep them only when dense.
-        for job, tasks in list(jobs.items()):
-            if isinstance(tasks, dict):
-                if sorted(tasks) != list(range(len(tasks))):
-                    raise TfConfigError(f"{name}: job {job!r} has tasks {sorted(tasks)}; MultiWorkerMirroredStrategy "
-                                        f"needs tasks numbered 0..N-1 without gaps. Received: {job}={tasks!r}")
-                jobs[job] = [tasks[i] for i in range(len(tasks))]
-        return _validate({"cluster": jobs, "task": {"type": resolver.task_type, "index": resolver.task_id}},
-                         source=name, rpc_layer=getattr(resolver, "rpc_layer", None))
-
-
-# ---- TF_CONFIG --------------------------------------------------------------------------------------------
-
-def parse_tf_config(text: Optional[str]) -> Optional[ClusterConfig]:
-    """The cluster `TF_CONFIG` describes, or None when this process trains alone.
-
-    None when `text` is None or blank (TF_CONFIG unset), when the cluster has one member (a chief or a single
-    worker: the single-host strategy is the right one), and for the evaluator task (it evaluates checkpoints on
-    its own and takes no part in the all-reduce). JSON is parsed strictly: NaN/Infinity and duplicate keys are
-    errors.
-
-    Raises:
-        TfConfigError (a ValueError) naming what is wrong and the value received.
-
-    Example:
-        >>> parse_tf_config('{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}}').task
-        'worker:1'
-    """
-    if text is None or not text.strip():
-        return None
-    data = _strict_json(text)
-    if not isinstance(data, dict):
-        raise TfConfigError(f"TF_CONFIG should be a JSON object such as {_EXAMPLE}; got a JSON "
-                            f"{_json_type(data)}. Received: TF_CONFIG={_clip(text)}")
-    rpc_layer = data.get("rpc_layer")
-    if rpc_layer is not None and (not isinstance(rpc_layer, str) or not rpc_layer):
-        raise TfConfigError(f'TF_CONFIG "rpc_layer" should be a protocol name such as "grpc". '
-                            f"Received: rpc_layer={rpc_layer!r}")
-    cluster = _validate(data, source="TF_CONFIG", rpc_layer=rpc_layer)
-    if cluster.worker_id is None or cluster.worker_count == 1:
-        return None
-    return cluster
-
-
-def _strict_json(text: str) -> Any:
-    def no_duplicates(pairs):
-        seen: dict = {}
-        for key, value in pairs:
-            if key in seen:
-                raise TfConfigError(f"TF_CONFIG names the key {key!r} twice in one object; JSON parsers disagree "
-                                    f"on which one wins, so tf_nvlink refuses it. Received: TF_CONFIG={_clip(text)}")
-            seen[key] = value
-        return seen
-
-    def no_constants(name):
-        raise TfConfigError(f"TF_CONFIG contains {name}, which is not JSON (only Python's json module accepts "
-                            f"it). Received: TF_CONFIG={_clip(text)}")
-
-    try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
-    except json.JSONDecodeError as error:
-        raise TfConfigError(f"TF_CONFIG is not valid JSON: {error.msg} at line {error.lineno} column "
-                            f"{error.colno}. It should look like {_EXAMPLE}. Received: TF_CONFIG={_clip(text)}"
-                            ) from None
-
-
-def _validate(data: dict, source: str, rpc_layer: Optional[str]) -> ClusterConfig:
-    where = source
-    if "cluster" not in data:
-        raise TfConfigError(f'{where} has no "cluster": it should name every task\'s address, e.g. {_EXAMPLE}. '
-                            f"Received keys: {sorted(data)}")
-    cluster = data["cluster"]
-    if not isinstance(cluster, dict) or not cluster:
-        raise TfConfigError(f'{where} "cluster" should be a non-empty object mapping job names ("chief", "worker", '
-                            f'"evaluator") to lists of "host:port". Received: cluster={cluster!r}')
-    jobs: dict[str, tuple[str, ...]] = {}
-    seen: dict[tuple[str, int], str] = {}
-    for job, addresses in cluster.items():
-        if job == "ps":
-            raise TfConfigError(f'{where} names a "ps" (parameter server) job: that is the cluster of '
-                                f"tf.distribute.experimental.ParameterServerStrategy. MultiWorkerMirroredStrategy "
-                                f"takes the jobs {list(JOBS)}. Received: cluster={cluster!r}")
-        if job not in JOBS:
-            raise TfConfigError(f"{where} names an unknown job {job!r}; MultiWorkerMirroredStrategy takes the jobs "
-                                f"{list(JOBS)}. Received: cluster={cluster!r}")
-        if not isinstance(addresses, list) or not addresses:
-            raise TfConfigError(f'{where} cluster.{job} should be a non-empty list of "host:port" strings. '
-                                f"Received: {job}={addresses!r}")
-        if job in ("chief", "evaluator") and len(addresses) > 1:
-            raise TfConfigError(f"{where} cluster.{job} lists {len(addresses)} tasks; there can be only one {job}. "
-                                f"Received: {job}={addresses!r}")
-        for index, address in enumerate(addresses):
-            key = _address_key(address, f"{where} cluster.{job}[{index}]")
-            if key in seen:
-                raise TfConfigError(f"{where} cluster.{job}[{index}] and {seen[key]} are the same address "
-                                    f"{address!r}: every task needs its own host:port (on one host, give each task "
-                                    f"its own port). Received: cluster={cluster!r}")
-            seen[key] = f"cluster.{job}[{index}]"
-        jobs[job] = tuple(addresses)
-    if not any(job in jobs for job in COLLECTIVE_JOBS):
-        raise TfConfigError(f'{where} cluster has no "chief" or "worker" task to train; it names only '
-                            f"{sorted(jobs)}. Received: cluster={cluster!r}")
-
-    if "task" not in data:
-        raise TfConfigError(f'{where} has no "task": each process needs to know which task it is, e.g. '
-                            f'"task": {{"type": "worker", "index": 0}}. Received keys: {sorted(data)}')
-    task = data["task"]
-    if not isinstance(task, dict):
-        raise TfConfigError(f'{where} "task" should be an object such as {{"type": "worker", "index": 0}}. '
-                            f"Received: task={task!r}")
-    if "type" not in task or task["type"] in (None, ""):
-        raise TfConfigError(f'{where} task has no "type": it should be one of the cluster\'s jobs {list(jobs)}. '
-                            f"Received: task={task!r}")
-    task_type = task["type"]
-    if not isinstance(task_type, str):
-        raise TfConfigError(f"{where} task.type should be a job name (a string) among {list(jobs)}. "
-                            f"Received: type={task_type!r}")
-    if task_type not in jobs:
-        known = "" if task_type in JOBS else f" (MultiWorkerMirroredStrategy knows the jobs {list(JOBS)})"
-        raise TfConfigError(f"{where} task.type {task_type!r} is not a job of the cluster {list(jobs)}{known}. "
-                            f"Received: task={task!r}")
-    if "index" not in task or task["index"] is None:
-        raise TfConfigError(f'{where} task has no "index": it should say which {task_type} this process is, '
-                            f"0 to {len(jobs[task_type]) - 1}. Received: task={task!r}")
-    index = task["index"]
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise TfConfigError(f"{where} task.index should be an integer (JSON number without quotes) from 0 to "
-                            f"{len(jobs[task_type]) - 1}. Received: index={index!r}")
-    if not 0 <= index < len(jobs[task_type]):
-        raise TfConfigError(f"{where} task.index {index} is out of range: cluster.{task_type} lists "
-                            f"{len(jobs[task_type])} task(s), so the index should be 0 to "
-                            f"{len(jobs[task_type]) - 1}. Received: task={task!r}")
-    return ClusterConfig(jobs=jobs, task_type=task_type, task_index=index, rpc_layer=rpc_layer, source=source)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" or "[ipv6]:port"; ValueError otherwise."""
-    match = _ADDRESS.match(address) if isinstance(address, str) else None
-    port = int(match["port"]) if match else 0
-    if not match or not 1 <= port <= 65535:
-        raise ValueError(f'{address!r} is not "host:port" (a host name, IPv4 address or [IPv6] address, and a '
-                         "port from 1 to 65535)")
-    return (match["ipv6"] or match["host"]), port
-
-
-def _address_key(address, where: str) -> tuple[str, int]:
-    try:
-        host, port = split_address(address)
-    except ValueError as error:
-        raise TfConfigError(f"{where}: {error}. Received: {address!r}") from None
-    host = host.lower()
-    if host in ("localhost", "::1", "0:0:0:0:0:0:0:1") or host.startswith("127."):
-        host = "localhost"  # the same sockets: a duplicate in disguise
-    return host, port
-
-
-def _is_loopback(address: str) -> bool:
-    return _address_key(address, "cluster")[0] == "localhost"
-
-
-def loopback_nccl_env(cluster: ClusterConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """{"NCCL_SOCKET_IFNAME": "lo"} when every worker's address is loopback and NCCL_SOCKET_IFNAME is unset, else {}.
-
-    Why: NCCL's bootstrap does not use TF_CONFIG's addresses; it picks a network interface by itself and has
-    the workers connect to that interface's address. On hosts whose first interface is not reachable from the
-    host itself (seen on the lent 2x H200 machine: "socketPollConnect: connect to 192.0.2.2<49843> returned
-    Connection refused" from ncclCommInitRankConfig), workers on one host then fail at their first all-reduce.
-    When the whole cluster is localhost, the loopback interface is the right one. Workers on several hosts keep
-    NCCL's own choice (set NCCL_SOCKET_IFNAME to your network interface where it picks a wrong one).
-
-    Example:
-        >>> loopback_nccl_env(parse_tf_config('{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
-        ...                                    '"task": {"type": "worker", "index": 0}}'), environ={})
-        {'NCCL_SOCKET_IFNAME': 'lo'}
-    """
-    environ = os.environ if environ is None else environ
-    if "NCCL_SOCKET_IFNAME" in environ or not all(_is_loopback(address) for _, address in cluster.members):
-        return {}
-    return {"NCCL_SOCKET_IFNAME": "lo"}
-
-
-def _json_type(value) -> str:
-    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
-
-
-def _clip(text: str, limit: int = 300) -> str:
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
-
-
-# ---- choosing the collective implementation ---------------------------------------------------------------
-
-def choose_implementation(topology: Topology, local_gpu_count: int,
-                          visible: Optional[Sequence[int]] = None) -> tuple[str, str]:
-    """("NCCL" | "RING", reason) for a worker with `local_gpu_count` GPUs; pure, no TensorFlow.
-
-    `visible` are the NVML indices of the worker's GPUs (default: the first `local_gpu_count` of those
-    `CUDA_VISIBLE_DEVICES` leaves).
-
-    Any GPU means NCCL, whatever the links; only the reason differs. TensorFlow's AUTO is no neutral default on
-    GPUs: TensorFlow 2.21 runs NCCL only when the hint says "nccl" (or ConfigProto's collective_nccl is set, which
-    MultiWorkerMirroredStrategy does in graph mode only: `CollectiveParamResolverLocal::AssignCollectiveType`), so
-    AUTO means its own gRPC ring, which copies every gradient through host memory. NCCL uses NVLink inside the
-    worker and InfiniBand/RoCE (or TCP sockets) between workers; a TensorFlow built without NCCL falls back to its
-    ring by itself. CPU-only workers get RING (NCCL needs GPUs).
-    """
-    if isinstance(local_gpu_count, bool) or not isinstance(local_gpu_count, int) or local_gpu_count < 0:
-        raise ValueError(f"local_gpu_count should be a non-negative integer. Received: "
-                         f"local_gpu_count={local_gpu_count!r}")
-    if local_gpu_count == 0:
-        if topology.gpus:
-            return ("RING", f"NVML sees {len(topology.gpus)} GPU(s) but this worker trains on none (TensorFlow "
-                    "without CUDA, or CUDA_VISIBLE_DEVICES hides them): TensorFlow's ring all-reduce over gRPC "
-                    "(NCCL needs GPUs)")
-        return "RING", "CPU-only worker: TensorFlow's ring all-reduce over gRPC (NCCL needs GPUs)"
-    if not topology.gpus:
-        return ("NCCL", f"{local_gpu_count} GPU(s) without NVML (interconnect unknown): NCCL all the same, since "
-                "TensorFlow's AUTO would mean its gRPC ring through host memory on GPUs")
-    if visible is None:
-        visible = devices_lib.visible_nvml_indices(topology)[:local_gpu_count]
-    visible = tuple(visible)
-    if len(visible) != local_gpu_count:
-        return ("NCCL", f"this worker trains on {local_gpu_count} GPU(s) but NVML maps {len(visible)} of them "
-                f"({list(visible)}), so their links are uncertain: NCCL all the same, since TensorFlow's AUTO would "
-                "mean its gRPC ring through host memory on GPUs")
-    shape = topology.kind(visible)
-    if shape == "single":
-        return ("NCCL", "one GPU per worker: NCCL all-reduces across workers (InfiniBand/RoCE when present, TCP "
-                "sockets otherwise); TensorFlow's AUTO would mean its gRPC ring through host memory")
-    if shape in ("nvswitch", "nvlink-all"):
-        link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
-        gbps = topology.min_pair_gbps(visible)
-        return ("NCCL", f"this worker's {len(visible)} GPUs reach each other {link} ({gbps:.0f} GB/s per "
-                "direction): NCCL all-reduces over NVLink inside the worker and over the network between workers")
-    what = "only some GPU pairs have NVLink" if shape == "nvlink-partial" else "PCIe only, no NVLink"
-    return ("NCCL", f"this worker's {len(visible)} GPUs: {what}; NCCL still (it routes over NVLink where it can "
-            "and PCIe elsewhere), since TensorFlow's AUTO would mean its gRPC ring through host memory")
-
 
 def communication_options(topology: Topology, local_gpu_count: int, visible: Optional[Sequence[int]] = None):
     """(`tf.distribute.experimental.CommunicationOptions`, reason) for this worker; see `choose_implementation`.
@@ -370,103 +49,10 @@ def communication_options(topology: Topology, local_gpu_count: int, visible: Opt
         >>> options.implementation
         <CommunicationImplementation.NCCL: 'NCCL'>
     """
-    import tensorflow as tf  # noqa: PLC0415
-
     name, reason = choose_implementation(topology, local_gpu_count, visible)
     implementation = getattr(tf.distribute.experimental.CommunicationImplementation, name)
     return tf.distribute.experimental.CommunicationOptions(implementation=implementation), reason
 
-
-# ---- waiting for the other workers ------------------------------------------------------------------------
-
-def wait_for_peers(cluster: ClusterConfig, timeout_s: float = DEFAULT_PEER_TIMEOUT_S, *, listen: bool = True,
-                   interval_s: float = 0.2) -> dict[str, float]:
-    """Block until every other member of the all-reduce accepts a TCP connection; seconds each one took.
-
-    While waiting, this worker listens on its own port (`listen`), so that workers started at the same time find
-    each other before any of them starts TensorFlow's server, which would bind the same port (the listener is
-    closed before this returns). A worker that already runs TensorFlow's server answers on that port too.
-
-    Raises:
-        PeerUnreachableError: naming each address that did not answer within `timeout_s`, and why.
-        TfConfigError: this worker's own port is taken by another process.
-    """
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0 \
-            or math.isinf(timeout_s):
-        raise ValueError(f"peer_timeout_s should be a positive number of seconds. Received: "
-                         f"peer_timeout_s={timeout_s!r}")
-    start = time.monotonic()
-    deadline = start + timeout_s
-    listener = _listen(cluster) if listen and cluster.worker_id is not None else None
-    pending = dict(cluster.peers)  # task -> address
-    reached: dict[str, float] = {}
-    last_error: dict[str, str] = {}
-    try:
-        while True:
-            for task, address in list(pending.items()):
-                host, port = split_address(address)
-                remaining = deadline - time.monotonic()
-                try:
-                    with socket.create_connection((host, port), timeout=max(0.05, min(2.0, remaining))):
-                        pass
-                except OSError as error:
-                    last_error[task] = _describe(error)
-                else:
-                    reached[address] = round(time.monotonic() - start, 3)
-                    del pending[task]
-            _drain(listener)
-            if not pending:
-                return reached
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
-    finally:
-        if listener is not None:
-            _drain(listener)
-            listener.close()
-    missing = "; ".join(f"{task} at {address} ({last_error.get(task, 'no answer')})"
-                        for task, address in pending.items())
-    raise PeerUnreachableError(
-        f"{cluster.task} ({cluster.address}) could not reach {len(pending)} of its {len(cluster.peers)} peer(s) "
-        f"within {timeout_s:g} s: {missing}. Start every task of the cluster ({cluster.source}) with its own "
-        f"task index, check the host names, ports and firewalls, or wait longer (peer_timeout_s, --peer_timeout).")
-
-
-def _listen(cluster: ClusterConfig) -> Optional[socket.socket]:
-    _, port = split_address(cluster.address)
-    try:
-        if socket.has_dualstack_ipv6():
-            listener = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=64)
-        else:
-            listener = socket.create_server(("", port), backlog=64)
-    except OSError as error:
-        raise TfConfigError(f"{cluster.task}'s own address {cluster.address} ({cluster.source}) cannot be used: port "
-                            f"{port} is taken on this host ({_describe(error)}). Another process (an earlier run "
-                            f"still alive?) holds it, or the task index names another task's port.") from None
-    listener.setblocking(False)
-    return listener
-
-
-def _drain(listener: Optional[socket.socket]) -> None:
-    """Accept and close whatever connections the peers' checks left queued."""
-    while listener is not None:
-        try:
-            connection, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return
-        connection.close()
-
-
-def _describe(error: OSError) -> str:
-    if isinstance(error, socket.gaierror):
-        return f"host name does not resolve: {error.strerror or error}"
-    if isinstance(error, (socket.timeout, TimeoutError)):
-        return "no answer (connection timed out)"
-    if isinstance(error, ConnectionRefusedError):
-        return "connection refused: nothing listens on that port yet"
-    return error.strerror or str(error) or type(error).__name__
 
 
 # ---- the strategy and its plan ----------------------------------------------------------------------------
@@ -502,6 +88,8 @@ class MultiWorkerPlan:
     local_gpu_count: int = 0  # GPUs (replicas) this worker trains on; 0 = one CPU replica
     workers: tuple[Optional[WorkerInfo], ...] = ()  # by worker id; None where a worker's record was not received
     peer_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)  # address -> s until it answered
+    # Environment variables this process needs before its first all-reduce (tf_nvlink.strategy() exports them).
+    process_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __getattr__(self, name):
         if name.startswith("__") or name == "local":
@@ -517,9 +105,7 @@ class MultiWorkerPlan:
         per_worker = self.local_gpu_count
         kind = f"{per_worker} GPU replica(s)" if per_worker else "1 CPU replica"
         role = " (chief)" if self.cluster.is_chief else ""
-        here = (f"GPUs {list(self.local.gpus)} ({self.local.shape}" if per_worker else "CPU (no GPU")
-        if self.local.nvlink_gbps:
-            here += f", {self.local.nvlink_gbps:.0f} GB/s per direction over NVLink"
+        here = policy.gpus_text(self.local.gpus, self.local.shape, self.local.nvlink_gbps, on_gpu=bool(per_worker))
         received = [w for w in self.workers if w is not None]
         if received:
             prints = sorted({w.fingerprint for w in received})
@@ -528,7 +114,7 @@ class MultiWorkerPlan:
         else:
             others = ""
         return (f"tf_nvlink plan: MultiWorkerMirroredStrategy, {self.cluster.worker_count} workers x {kind} = "
-                f"{self.num_replicas} replicas; this is {self.cluster.task}{role} at {self.cluster.address}: {here}) "
+                f"{self.num_replicas} replicas; this is {self.cluster.task}{role} at {self.cluster.address}: {here} "
                 f"-> CollectiveAllReduce {self.implementation}: {self.implementation_reason} "
                 f"[topology {self.local.fingerprint}{others}]")
 
@@ -538,54 +124,30 @@ class MultiWorkerPlan:
                       implementation_reason=self.implementation_reason, local_gpu_count=self.local_gpu_count,
                       cluster=self.cluster.to_dict(),
                       workers=[w.to_dict() if w else None for w in self.workers],
-                      peer_seconds=dict(self.peer_seconds))
+                      peer_seconds=dict(self.peer_seconds), process_env=dict(self.process_env))
         return record
 
 
-@functools.lru_cache(maxsize=None)
+class NVLinkMultiWorkerMirroredStrategy(xla.PerReplicaXlaStrategyMixin, xla.MultiWorkerKerasReduceMixin,
+                                        tf.distribute.MultiWorkerMirroredStrategy):
+    """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
+    `fit`/`evaluate` run on several workers (`xla.MultiWorkerKerasReduceMixin` says how).
+
+    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla.py; `build_strategy` puts
+    "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
+    in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
+    inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers
+    failed in ncclCommInitRankConfig ("socketPollConnect: connect to 127.0.0.1<port> returned Connection
+    refused"), at the first step.
+    """
+
+    @property
+    def plan(self) -> Optional[MultiWorkerPlan]:
+        return getattr(self, "_tf_nvlink_plan", None)
+
+
 def strategy_class():
-    """`tf.distribute.MultiWorkerMirroredStrategy` with a `plan` (defined on first use: imports TensorFlow)."""
-    import tensorflow as tf  # noqa: PLC0415
-
-    from tf_nvlink import xla  # noqa: PLC0415 - imports TensorFlow
-
-    class NVLinkMultiWorkerMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.MultiWorkerMirroredStrategy):
-        """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
-        `fit`/`evaluate` run on several workers.
-
-        `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla.py; `build_strategy` puts
-        "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
-        in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
-        inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers
-        failed in ncclCommInitRankConfig ("socketPollConnect: connect to 127.0.0.1<port> returned Connection
-        refused"), at the first step.
-
-        Keras 3 (3.15 and earlier; keras-team/keras#20585) calls `strategy.reduce` in two ways the stock strategy
-        rejects once there are two or more workers: with a tuple of per-replica batches (`_maybe_symbolic_build`,
-        "Attempt to convert a value (PerReplica...) to a Tensor") and with `axis=0` on per-replica scalars (the
-        logs, in `reduce_per_replica`: "Invalid reduction dimension 0 for input with 0 dimensions"). Here a
-        structure is reduced leaf by leaf, and a scalar across the replicas; every call TensorFlow accepts runs
-        unchanged.
-        """
-
-        @property
-        def plan(self) -> Optional[MultiWorkerPlan]:
-            return self._tf_nvlink_plan
-
-        def reduce(self, reduce_op, value, axis):
-            if isinstance(value, (tuple, list, dict)):
-                return tf.nest.map_structure(lambda leaf: self.reduce(reduce_op, leaf, axis), value)
-            shape = getattr(value, "shape", None)
-            if axis is not None and shape is not None and shape.rank == 0:
-                axis = None  # one number per replica: the reduction is across replicas
-            local = self.experimental_local_results(value)
-            if local and getattr(local[0], "dtype", None) == tf.int32:
-                # GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
-                # DEVICE_GPU", int32 lives in host memory there): Keras reduces the integer labels of a batch.
-                wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
-                return tf.cast(super().reduce(reduce_op, wide, axis), tf.int32)
-            return super().reduce(reduce_op, value, axis)
-
+    """The strategy class `build_strategy` makes (kept for callers of the earlier API)."""
     return NVLinkMultiWorkerMirroredStrategy
 
 
@@ -611,8 +173,6 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
         RuntimeError: TensorFlow already ran ops in this process, or the workers disagree on the number of GPUs
             or the collective implementation (TensorFlow would hang on the first all-reduce).
     """
-    import tensorflow as tf  # noqa: PLC0415
-
     if cluster_resolver is not None:
         if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
             raise ValueError(f"cluster_resolver should be a tf.distribute.cluster_resolver.ClusterResolver. "
@@ -631,8 +191,7 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     options, reason = communication_options(topology, local_gpu_count, visible if topology.gpus else None)
     implementation = options.implementation.name
     nccl_env = loopback_nccl_env(cluster) if implementation == "NCCL" else {}
-    if nccl_env:  # NCCL reads it when its communicators start, at the first all-reduce: after this point is fine
-        os.environ.update(nccl_env)
+    if nccl_env:  # the caller exports plan.process_env: NCCL reads it when its communicators start
         reason += "; every worker is on this host, so NCCL bootstraps over the loopback interface " + " ".join(
             f"({key}={value})" for key, value in nccl_env.items())
     if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
@@ -645,7 +204,7 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
         tf.train.ClusterSpec(cluster.cluster_spec()), task_type=cluster.task_type, task_id=cluster.task_index,
         rpc_layer=cluster.rpc_layer or "grpc", num_accelerators={"GPU": local_gpu_count} if local_gpu_count else {})
     try:
-        built = strategy_class()(cluster_resolver=resolver, communication_options=options)
+        built = NVLinkMultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     except (RuntimeError, ValueError, tf.errors.OpError) as error:
         raise RuntimeError(f"MultiWorkerMirroredStrategy could not start {cluster.task} at {cluster.address}: "
                            f"{type(error).__name__}: {error}") from error
@@ -665,10 +224,9 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
         nvlink_gbps=round(topology.min_pair_gbps(gpus), 1) if len(gpus) > 1 else 0.0,
         devices=tuple(built.extended.worker_devices), xla_allreduce="split", requested=("all", "auto", None))
     plan = MultiWorkerPlan(local=local, cluster=cluster, implementation=implementation, implementation_reason=reason,
-                           local_gpu_count=local_gpu_count, workers=workers, peer_seconds=peer_seconds)
+                           local_gpu_count=local_gpu_count, workers=workers, peer_seconds=peer_seconds,
+                           process_env=nccl_env)
     built._tf_nvlink_plan = plan  # noqa: SLF001
-    from tf_nvlink import xla  # noqa: PLC0415
-
     xla.enable_per_replica_xla()
     log.info(plan.summary())
     return built, plan
@@ -700,8 +258,6 @@ def check_single_host_options(gpus="all", cross_device_ops="auto", num_packs=Non
 
 
 def _check_program_start() -> None:
-    from tensorflow.python.eager import context  # noqa: PLC0415
-
     if getattr(context.context(), "_initialized", False):
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created at program start, before any TensorFlow op runs: this "
@@ -763,8 +319,6 @@ def _share(cluster: ClusterConfig, key: str, value, timeout_s: float):
     """Publish this worker's JSON-able `value` under `key` in the coordination service's key-value store, then
     yield (worker id, value) for every worker in worker-id order (this worker's own without a round trip), each
     waiting up to `timeout_s` for that worker to publish."""
-    from tensorflow.python.eager import context  # noqa: PLC0415
-
     ctx = context.context()
     ctx.set_config_key_value(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
     for worker_id in range(cluster.worker_count):

@@ -1,6 +1,8 @@
 """Topology and requested GPUs in, a `Plan` (devices, cross-device ops, packs, reason) out. Pure: no TensorFlow.
 
 The rules are grounded in measurements recorded in BUILD_NOTES.md ("Policy rules and the figures behind them").
+Two pure parts live beside it and are re-exported here: `gpu_request` (a `gpus` request resolved to NVML indices)
+and `cube_mesh` (the DGX-1 wiring HierarchicalCopyAllReduce needs, and the replica order for it).
 
 Example:
     >>> from tf_nvlink import nvml, policy
@@ -12,10 +14,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import re
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
+from tf_nvlink import devices as devices_lib
+from tf_nvlink import nvml
+from tf_nvlink.cube_mesh import cube_mesh_order, is_dgx1_like, replica_order  # noqa: F401 (policy.*)
+from tf_nvlink.gpu_request import GpuSpec, auto_gpus, gpu_indices, parse_gpus  # noqa: F401 (policy.*)
 from tf_nvlink.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
@@ -31,7 +35,6 @@ OPS_CHOICES = ("auto", "autotune") + tuple(OPS)
 PACKED_OPS = ("nccl", "hierarchical")
 # How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla.py).
 XLA_ALLREDUCE_CHOICES = ("auto", "fused", "split")
-GpuSpec = Union[str, Sequence[int], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +62,13 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the log and the report."""
-        if self.gpus:
-            where = f"GPUs {list(self.gpus)} ({self.shape}"
-        elif any("GPU" in d.upper() for d in self.devices):  # MIG instances, or GPUs NVML does not list
-            where = f"TensorFlow devices {list(self.devices)} (no NVML GPU index names them"
+        if not self.gpus and any("GPU" in d.upper() for d in self.devices):  # MIG, or GPUs NVML does not list
+            where = f"TensorFlow devices {list(self.devices)} (no NVML GPU index names them)"
         else:
-            where = "CPU (no GPU"
-        if self.nvlink_gbps:
-            where += f", {self.nvlink_gbps:.0f} GB/s per direction over NVLink"
+            where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where}) -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
                 f"[topology {self.fingerprint}]")
 
     def to_dict(self) -> dict:
@@ -81,79 +80,18 @@ class Plan:
         return record
 
 
-def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int]] = None) -> tuple[int, ...]:
-    """Resolve a `gpus` request to NVML indices.
-
-    `spec` is "all" (every GPU TensorFlow can see), "auto" (the largest NVLink-connected group), a list of
-    indices, or a string such as "0,1" (absl-flag friendly). `visible` are the NVML indices TensorFlow can see
-    (default: all of them).
-
-    Example:
-        >>> parse_gpus("1,0", topo)
-        (1, 0)
-    """
-    visible = tuple(topology.indices if visible is None else visible)
-    if isinstance(spec, str) and spec.strip().lower() in ("all", "auto"):
-        return visible if spec.strip().lower() == "all" else auto_gpus(topology, visible)
-    indices = gpu_indices(spec, visible)
-    for index in indices:
-        if index not in visible:
-            hidden = " (hidden from TensorFlow by CUDA_VISIBLE_DEVICES)" if index in topology.indices else ""
-            raise ValueError(f"GPU {index} does not exist on this machine{hidden}; valid GPU indices are "
-                             f"{list(visible)}. Received: gpus={spec!r}")
-    return indices
+def nvlink_text(gbps: float) -> str:
+    """", 478 GB/s per direction over NVLink" ("" without NVLink): how every plan line states the link speed."""
+    return f", {gbps:.0f} GB/s per direction over NVLink" if gbps else ""
 
 
-def gpu_indices(spec: GpuSpec, valid: Sequence[int] = ()) -> tuple[int, ...]:
-    """The indices a `gpus` request names, checked for form only (not whether the GPUs exist): non-negative
-    integers, each once, at least one. ValueError names the bad value and `valid` (the machine's indices).
-    "all" and "auto" name no index: they are the caller's to resolve.
-    """
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        if not text:
-            raise ValueError(f"gpus should be 'all', 'auto', or GPU indices such as '0,1'. Received: gpus={spec!r}")
-        items: list = [item.strip() for item in text.split(",")]
-    elif isinstance(spec, int) and not isinstance(spec, bool):
-        items = [spec]
-    elif isinstance(spec, (list, tuple)):
-        items = list(spec)
-    else:
-        raise ValueError(f"gpus should be 'all', 'auto', a list of GPU indices or a string such as '0,1'. "
-                         f"Received: gpus={spec!r}")
-    if not items:
-        raise ValueError(f"gpus should name at least one GPU; this machine has {list(valid)}. "
-                         f"Received: gpus={spec!r}")
-    indices: list[int] = []
-    for item in items:
-        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str)
-                                                                   and re.fullmatch(r"\d+", item))):
-            raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
-                             f"{list(valid)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
-        index = int(item)
-        if index < 0:
-            raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
-                             f"{list(valid)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
-        if index in indices:
-            raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Name each of "
-                             f"{list(valid)} at most once. Received: gpus={spec!r}")
-        indices.append(index)
-    return tuple(indices)
-
-
-def auto_gpus(topology: Topology, visible: Sequence[int]) -> tuple[int, ...]:
-    """The largest NVLink-connected group of visible GPUs; ties go to the faster links, then more free memory."""
-    visible_set = set(visible)
-    groups = [tuple(i for i in group if i in visible_set) for group in topology.nvlink_groups()]
-    groups = [g for g in groups if g]
-    if not groups:
-        return ()
-
-    def rank(group):
-        free = sum(topology.gpu(i).memory_free_mib or 0 for i in group)
-        return (-len(group), -topology.min_pair_gbps(group), -free, group)
-
-    return min(groups, key=rank)
+def gpus_text(gpus: Sequence[int], shape: str, gbps: float, prefix: str = "GPUs ", on_gpu: Optional[bool] = None,
+              cpu: str = "CPU (no GPU)") -> str:
+    """"GPUs [0, 1] (nvswitch, 478 GB/s per direction over NVLink)", or `cpu` when there is no GPU (`on_gpu`:
+    whether GPUs are used; default: whether `gpus` names any)."""
+    if not (bool(gpus) if on_gpu is None else on_gpu):
+        return cpu
+    return f"{prefix}{list(gpus)} ({shape}{nvlink_text(gbps)})"
 
 
 def validate_ops(cross_device_ops: str, num_packs) -> None:
@@ -196,8 +134,8 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         chosen = parse_gpus(gpus, topology, visible)
     shape = topology.kind(chosen)
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
-    # "autotune" plans like "auto"; the strategy then swaps in the measured winner (it needs TensorFlow).
-    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops
+    # "autotune" plans like "auto"; `decide` then swaps in the measured winner (`Facts.tune_choice`).
+    rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops  # `decide` adds the winner
     ops, packs, reason = _choose_ops(topology, chosen, shape, rule_request, num_packs)
     chosen = replica_order(topology, chosen, ops)
     available = topology.indices if visible is None else tuple(visible)
@@ -215,61 +153,6 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
     return Plan(gpus=chosen, cross_device_ops=ops, num_packs=packs, reason=reason,
                 fingerprint=topology.fingerprint(), shape=shape, nvlink_gbps=round(gbps, 1), requested=requested,
                 xla_allreduce=xla_allreduce)
-
-
-def is_dgx1_like(topology: Topology, chosen: Sequence[int]) -> bool:
-    """8 GPUs wired as the DGX-1 hybrid cube-mesh HierarchicalCopyAllReduce was written for (see `cube_mesh_order`).
-
-    Example:
-        >>> is_dgx1_like(topo_of("dgx1_v100_x8"), range(8))
-        True
-    """
-    return cube_mesh_order(topology, chosen) is not None
-
-
-def replica_order(topology: Topology, gpus: Sequence[int], cross_device_ops: str) -> tuple[int, ...]:
-    """`gpus` in the order the strategy should mirror them for `cross_device_ops`: HierarchicalCopyAllReduce's
-    halves are positions 0-3 and 4-7, so on a cube-mesh they are made the NVLink quads; other ops keep the order.
-
-    Example:
-        >>> replica_order(topo_of("dgx1_v100_x8"), (0, 4, 1, 5, 2, 6, 3, 7), "hierarchical")
-        (0, 1, 2, 3, 4, 5, 6, 7)
-    """
-    gpus = tuple(gpus)
-    if cross_device_ops != "hierarchical":
-        return gpus
-    return cube_mesh_order(topology, gpus) or gpus
-
-
-def cube_mesh_order(topology: Topology, chosen: Sequence[int]) -> Optional[tuple[int, ...]]:
-    """`chosen` ordered for HierarchicalCopyAllReduce, or None when the GPUs are not a DGX-1 hybrid cube-mesh.
-
-    HierarchicalCopyAllReduce splits the replicas by position: the first half reduces among itself, the second
-    half too, and position k copies to position k + 4. That is fast only when each half is an NVLink quad (4 GPUs
-    all directly linked) and positions k and k + 4 are directly linked. So: 8 GPUs, two disjoint quads, every GPU
-    with exactly one direct link across. A mesh where each GPU merely has 4 peers (no quads) is not one.
-
-    Example:
-        >>> cube_mesh_order(topo_of("dgx1_v100_x8"), [0, 4, 1, 5, 2, 6, 3, 7])
-        (0, 1, 2, 3, 4, 5, 6, 7)
-    """
-    gpus = tuple(chosen)
-    if len(gpus) != 8 or len(set(gpus)) != 8:
-        return None
-
-    def linked(a: int, b: int) -> bool:
-        return topology.pair(a, b).direct_links > 0
-
-    for quad in itertools.combinations(sorted(gpus), 4):
-        if quad[0] != min(gpus):
-            break  # the quad holding the lowest GPU decides; the other one is its complement
-        other = tuple(g for g in sorted(gpus) if g not in quad)
-        if not all(linked(a, b) for half in (quad, other) for a, b in itertools.combinations(half, 2)):
-            continue
-        partners = [[b for b in other if linked(a, b)] for a in quad]
-        if all(len(p) == 1 for p in partners) and len({p[0] for p in partners}) == 4:
-            return quad + tuple(p[0] for p in partners)
-    return None
 
 
 def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, requested: str,
@@ -307,3 +190,150 @@ def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, request
                 "PCIe/host memory elsewhere; hierarchical copy assumes the DGX-1 wiring and is not used")
     return ("nccl", packs, "PCIe only (no NVLink between these GPUs): NCCL's ring all-reduce is bandwidth-"
             "optimal over PCIe; reduce-to-one would funnel every gradient through one GPU's PCIe link")
+
+
+# ---- the final plan, from every fact the edges gather ------------------------------------------------------------
+
+TuneChoice = tuple  # (cross_device_ops, num_packs, reason), as `tune_cache.stored_choice` returns it
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the edges found out about this process, for `decide`. Plain data except `tune_choice`.
+
+    `visible`: NVML indices TensorFlow can see (CUDA_VISIBLE_DEVICES; None: all). `tf_gpu_count`: GPUs TensorFlow
+    lists (None: not asked, as in `tf-nvlink report --no-tf`). `no_gpu_cause`: why TensorFlow sees no GPU, when it
+    sees none. `nccl_available`: whether TensorFlow has NCCL's GPU kernels (None: not asked). `tune_choice`: the
+    tune winner for a set of GPUs, or None (reads the cache; for "autotune" it may measure). `mig`: the MIG
+    instances CUDA_VISIBLE_DEVICES names (`devices.mig_entries`).
+    """
+
+    topology: Topology
+    visible: Optional[tuple[int, ...]] = None
+    tf_gpu_count: Optional[int] = None
+    no_gpu_cause: str = ""
+    nccl_available: Optional[bool] = True
+    tune_choice: Optional[Callable[[tuple[int, ...]], Optional[TuneChoice]]] = None
+    mig: tuple[str, ...] = ()
+
+
+def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", num_packs: Optional[int] = None,
+           xla_allreduce: str = "auto", ops_instance: str = "") -> tuple[Plan, list[str]]:
+    """The plan `tf_nvlink.strategy()` builds from `facts`, and the warning lines to log. The report calls it too.
+
+    `ops_instance`: the class name of a `tf.distribute.CrossDeviceOps` instance the caller gave (then
+    `cross_device_ops` is "auto" and only the GPUs are chosen).
+
+    Example:
+        >>> plan, warnings = decide(Facts(nvml.probe(), tf_gpu_count=2))
+        >>> plan.cross_device_ops
+        'nccl'
+    """
+    topology, warnings = facts.topology, []
+    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
+        warnings.append(nvml.warnings_line(topology.warnings))
+    visible, no_gpu_reason, mig = facts.visible, None, list(facts.mig)
+    if topology.gpus and facts.tf_gpu_count == 0:
+        warnings.append(f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none ({facts.no_gpu_cause}); "
+                        f"falling back to the CPU.")
+        no_gpu_reason = f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none: {facts.no_gpu_cause}"
+        visible = ()
+    elif topology.error and not facts.tf_gpu_count:
+        warnings.append(topology.error)  # no driver / NVML: the text ends with the CPU fallback
+    elif mig and facts.tf_gpu_count and not visible:
+        no_gpu_reason = f"CUDA_VISIBLE_DEVICES names MIG instance(s) {mig}, which no NVML GPU index names; " \
+                        f"gpus='all' mirrors over them"
+    # An explicit GPU request that cannot be honoured raises here (with the reason); "all"/"auto" fall back.
+    plan = make_plan(topology, gpus, cross_device_ops, num_packs, visible=visible, xla_allreduce=xla_allreduce,
+                     no_gpu_reason=no_gpu_reason)
+    if len(plan.gpus) > 1 and cross_device_ops in ("auto", "autotune") and num_packs is None and facts.tune_choice:
+        choice = facts.tune_choice(plan.gpus)
+        if choice is not None:  # a stored hierarchical winner needs the cube-mesh order too
+            plan = dataclasses.replace(plan, cross_device_ops=choice[0], num_packs=choice[1], reason=choice[2],
+                                       gpus=replica_order(topology, plan.gpus, choice[0]))
+    if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") \
+            and facts.nccl_available is False:
+        plan, warning = without_nccl(plan)
+        warnings.append(warning)
+    if not plan.gpus and facts.tf_gpu_count and not topology.gpus:
+        warnings.append(f"TensorFlow sees {facts.tf_gpu_count} GPU(s) but NVML does not ("
+                        f"{topology.error or nvml.warnings_line(topology.warnings) or 'NVML lists no GPU'}); "
+                        f"mirroring over them with TensorFlow's default all-reduce.")
+        plan = dataclasses.replace(plan, cross_device_ops="collective", num_packs=None,
+                                   reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
+    elif not plan.gpus and facts.tf_gpu_count and mig:
+        ops = "reduce_to_one" if facts.tf_gpu_count == 1 else "collective"
+        warnings.append(f"CUDA_VISIBLE_DEVICES names MIG instance(s) {mig}: mirroring over TensorFlow's "
+                        f"{facts.tf_gpu_count} MIG device(s) with {ops} and no NVLink plan (a MIG instance has no "
+                        f"NVLink of its own, and no NVML GPU index names it).")
+        plan = dataclasses.replace(plan, cross_device_ops=ops, num_packs=None,
+                                   reason=f"MIG instance(s) {mig}: TensorFlow's MIG device(s), no NVLink plan")
+    if ops_instance:
+        plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
+                                   reason="a CrossDeviceOps instance given by the caller")
+    return plan, warnings
+
+
+def without_nccl(plan: Plan) -> tuple[Plan, str]:
+    """The plan for a TensorFlow without NCCL kernels, and the one warning line that says so.
+
+    NcclAllReduce becomes ReductionToOneDevice (copies over NVLink/PCIe); the XLA all-reduce stays split,
+    since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
+    """
+    ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
+    change = f"using {ops} instead of {plan.cross_device_ops}" if ops != plan.cross_device_ops else f"keeping {ops}"
+    warning = (f"this TensorFlow has no NCCL GPU kernels: {change}, and jit_compile=True models all-reduce "
+               f"outside XLA (split mode)")
+    return dataclasses.replace(
+        plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
+        xla_allreduce="split", reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
+                                      f"{plan.cross_device_ops}: {plan.reason})"), warning
+
+
+# ---- across workers --------------------------------------------------------------------------------------------
+
+def choose_implementation(topology: Topology, local_gpu_count: int,
+                          visible: Optional[Sequence[int]] = None) -> tuple[str, str]:
+    """("NCCL" | "RING", reason) for a worker with `local_gpu_count` GPUs; pure, no TensorFlow.
+
+    `visible` are the NVML indices of the worker's GPUs (default: the first `local_gpu_count` of those
+    `CUDA_VISIBLE_DEVICES` leaves).
+
+    Any GPU means NCCL, whatever the links; only the reason differs. TensorFlow's AUTO is no neutral default on
+    GPUs: TensorFlow 2.21 runs NCCL only when the hint says "nccl" (or ConfigProto's collective_nccl is set, which
+    MultiWorkerMirroredStrategy does in graph mode only: `CollectiveParamResolverLocal::AssignCollectiveType`), so
+    AUTO means its own gRPC ring, which copies every gradient through host memory. NCCL uses NVLink inside the
+    worker and InfiniBand/RoCE (or TCP sockets) between workers; a TensorFlow built without NCCL falls back to its
+    ring by itself. CPU-only workers get RING (NCCL needs GPUs).
+    """
+    if isinstance(local_gpu_count, bool) or not isinstance(local_gpu_count, int) or local_gpu_count < 0:
+        raise ValueError(f"local_gpu_count should be a non-negative integer. Received: "
+                         f"local_gpu_count={local_gpu_count!r}")
+    if local_gpu_count == 0:
+        if topology.gpus:
+            return ("RING", f"NVML sees {len(topology.gpus)} GPU(s) but this worker trains on none (TensorFlow "
+                    "without CUDA, or CUDA_VISIBLE_DEVICES hides them): TensorFlow's ring all-reduce over gRPC "
+                    "(NCCL needs GPUs)")
+        return "RING", "CPU-only worker: TensorFlow's ring all-reduce over gRPC (NCCL needs GPUs)"
+    if not topology.gpus:
+        return ("NCCL", f"{local_gpu_count} GPU(s) without NVML (interconnect unknown): NCCL all the same, since "
+                "TensorFlow's AUTO would mean its gRPC ring through host memory on GPUs")
+    if visible is None:
+        visible = devices_lib.visible_nvml_indices(topology)[:local_gpu_count]
+    visible = tuple(visible)
+    if len(visible) != local_gpu_count:
+        return ("NCCL", f"this worker trains on {local_gpu_count} GPU(s) but NVML maps {len(visible)} of them "
+                f"({list(visible)}), so their links are uncertain: NCCL all the same, since TensorFlow's AUTO would "
+                "mean its gRPC ring through host memory on GPUs")
+    shape = topology.kind(visible)
+    if shape == "single":
+        return ("NCCL", "one GPU per worker: NCCL all-reduces across workers (InfiniBand/RoCE when present, TCP "
+                "sockets otherwise); TensorFlow's AUTO would mean its gRPC ring through host memory")
+    if shape in ("nvswitch", "nvlink-all"):
+        link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
+        gbps = topology.min_pair_gbps(visible)
+        return ("NCCL", f"this worker's {len(visible)} GPUs reach each other {link} ({gbps:.0f} GB/s per "
+                "direction): NCCL all-reduces over NVLink inside the worker and over the network between workers")
+    what = "only some GPU pairs have NVLink" if shape == "nvlink-partial" else "PCIe only, no NVLink"
+    return ("NCCL", f"this worker's {len(visible)} GPUs: {what}; NCCL still (it routes over NVLink where it can "
+            "and PCIe elsewhere), since TensorFlow's AUTO would mean its gRPC ring through host memory")

@@ -19,8 +19,9 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
-from tf_nvlink import devices, policy, tune
+from tf_nvlink import devices, policy, tune_cache
 from tf_nvlink.nvml import probe as nvml_probe
+from tf_nvlink.text import table
 from tf_nvlink.topology import RemoteType, Topology
 
 LEGEND = ("Legend: X = self; NV# = a bonded set of # NVLinks (direct, or through NVSwitch); PIX = one PCIe "
@@ -66,8 +67,9 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         record["link_gbps"] = rates[0] if len(rates) == 1 else None  # None: no links, or links of mixed speed
         record["reaches"] = _reaches(topology, gpu)
     data["tensorflow"] = _collect_tf(topology, environ) if with_tf else {"checked": False}
-    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(topology, "all", visible)
-    data["auto_plan"] = _make_plan(topology, "auto", visible)
+    facts = _facts(topology, visible, data["tensorflow"])
+    data["plan"] = _plan_record(plan) if plan is not None else _make_plan(facts, "all")
+    data["auto_plan"] = _make_plan(facts, "auto")
     return data
 
 
@@ -108,12 +110,32 @@ def _plan_record(plan: Any) -> dict:
     return record
 
 
-def _make_plan(topology: Topology, gpus: str, visible: list[int]) -> dict:
+def _facts(topology: Topology, visible: list[int], tf_section: dict) -> policy.Facts:
+    """The facts `tf_nvlink.strategy()` would gather, as far as the report knows them (TensorFlow's only when
+    it was asked: without it, TensorFlow is assumed to see the GPUs NVML and CUDA_VISIBLE_DEVICES leave)."""
+    tf_gpu_count = nccl = None
+    if tf_section.get("checked"):
+        tf_gpu_count = len(tf_section["gpus"])
+        if tf_gpu_count:
+            try:
+                nccl = devices.nccl_available()
+            except ImportError:  # TensorFlow's internals missing: unknown, as without TensorFlow
+                nccl = None
+    return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
+                        no_gpu_cause=tf_section.get("problem") or "see TensorFlow's view above",
+                        nccl_available=nccl, tune_choice=lambda gpus: tune_cache.stored_choice(topology, gpus),
+                        mig=tuple(devices.mig_entries()))
+
+
+def _make_plan(facts: policy.Facts, gpus: str) -> dict:
+    """The plan `tf_nvlink.strategy(gpus=gpus)` builds from these facts: the same `policy.decide` call."""
     try:
-        plan = policy.make_plan(topology, gpus, "auto", visible=visible)
-        return _plan_record(tune.with_stored_choice(plan, topology))  # as tf_nvlink.strategy() would
+        plan, warnings = policy.decide(facts, gpus, "auto")
     except ValueError as exc:  # not expected for "all"/"auto", but a report must not die on it
         return {"requested": [gpus, "auto", None], "error": str(exc)}
+    record = _plan_record(plan)
+    record["warnings"] = warnings
+    return record
 
 
 def _import_tensorflow():
@@ -226,16 +248,6 @@ def _number(value: Optional[float], digits: int) -> str:
     return f"{round(value, digits):g}" if digits > 1 else f"{value:.{digits}f}"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
-    """nccl-tests-style table: the first two rows are the names and units rows, prefixed with '#'."""
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = []
-    for r, row in enumerate(rows):
-        cells = [cell.rjust(widths[c]) if c in right else cell.ljust(widths[c]) for c, cell in enumerate(row)]
-        lines.append(("# " if r < 2 else "  ") + "  ".join(cells).rstrip())
-    return lines
-
-
 def _render_nvlink_table(data: dict) -> str:
     rows = [["GPU", "name", "PCI bus id", "active", "NVLink", "per link", "total", "reaches"],
             ["", "", "", "links", "version", "(GB/s)", "(GB/s)", ""]]
@@ -246,7 +258,7 @@ def _render_nvlink_table(data: dict) -> str:
                      _number(gpu["link_gbps"], 3) if has_links else "-",
                      _number(gpu["nvlink_gbps"], 1), gpu["reaches"]])
     title = "NVLink per GPU (as `nvidia-smi nvlink -s`; GB/s per direction):"
-    return "\n".join([title] + _table(rows, right={0, 3, 4, 5, 6}))
+    return "\n".join([title] + table(rows, right={0, 3, 4, 5, 6}, header_rows=2))
 
 
 def _render_gbps_matrix(data: dict) -> str:
@@ -304,7 +316,7 @@ def _render_tf(data: dict) -> str:
         for gpu in tf["gpus"]:
             nvml_index = "?" if gpu["nvml_index"] is None else str(gpu["nvml_index"])
             rows.append([gpu["tf_name"], nvml_index, gpu["pci_bus_id"] or "N/A", gpu["physical_device_desc"]])
-        lines += _table(rows, right={1})
+        lines += table(rows, right={1}, header_rows=2)
     else:
         lines.append("  TensorFlow sees no GPU.")
     if tf["unmapped"]:
@@ -346,12 +358,7 @@ def _render_plans(data: dict) -> str:
 
 
 def _plan_where(plan: dict) -> str:
-    if not plan["gpus"]:
-        return "none (CPU)"
-    where = f"{plan['gpus']} ({plan['shape']}"
-    if plan.get("nvlink_gbps"):
-        where += f", {plan['nvlink_gbps']:.0f} GB/s per direction over NVLink"
-    return where + ")"
+    return policy.gpus_text(plan["gpus"], plan["shape"], plan.get("nvlink_gbps"), prefix="", cpu="none (CPU)")
 
 
 def _plan_ops(plan: dict) -> str:

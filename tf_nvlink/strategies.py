@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import nvml, policy, xla
+from tf_nvlink import cluster as cluster_lib
+from tf_nvlink import multi_worker, nvml, policy, rendezvous, tune, tune_cache, xla
 from tf_nvlink.topology import Topology
 
 log = logging.getLogger("tf_nvlink")
@@ -53,17 +54,18 @@ def current_plan() -> Optional[policy.Plan]:
 
 
 def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
-    """The tf.distribute.CrossDeviceOps for a plan (None means MirroredStrategy's default, CollectiveAllReduce)."""
-    name, packs = plan.cross_device_ops, plan.num_packs
-    if name == "nccl":
-        return tf.distribute.NcclAllReduce(num_packs=1 if packs is None else packs)
-    if name == "hierarchical":
-        return tf.distribute.HierarchicalCopyAllReduce(num_packs=1 if packs is None else packs)
-    if name == "reduce_to_one":
-        return tf.distribute.ReductionToOneDevice(reduce_to_device=device_names[0])
+    """The tf.distribute.CrossDeviceOps for a plan (None means MirroredStrategy's default, CollectiveAllReduce).
+
+    The class comes from `policy.OPS`, the one name -> class table."""
+    name = plan.cross_device_ops
+    if name not in policy.OPS:
+        raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
     if name == "collective":
         return None
-    raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
+    ops_class = getattr(tf.distribute, policy.OPS[name].rpartition(".")[2])
+    if name == "reduce_to_one":
+        return ops_class(reduce_to_device=device_names[0])
+    return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
 
 
 def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce):
@@ -115,7 +117,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
     if peer_timeout_s is not None and (isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float))
                                        or not 0 < peer_timeout_s < float("inf")):
         raise ValueError(f"peer_timeout_s should be a positive number of seconds, or None for "
-                         f"{_default_peer_timeout()} s. Received: peer_timeout_s={peer_timeout_s!r}")
+                         f"{rendezvous.DEFAULT_PEER_TIMEOUT_S} s. Received: peer_timeout_s={peer_timeout_s!r}")
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce) + (
         None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
@@ -127,14 +129,14 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                 f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
                 f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
                 f"arguments returns it), or run the other configuration in its own process.")
-        from tf_nvlink import multi_worker  # noqa: PLC0415 - only TF_CONFIG users need it
-
-        cluster = None if cluster_resolver is not None else multi_worker.parse_tf_config(os.environ.get("TF_CONFIG"))
+        cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
         if cluster_resolver is not None or cluster is not None:
             multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
             built, plan = multi_worker.build_strategy(
                 topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
-                peer_timeout_s=multi_worker.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+                peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+            # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
+            os.environ.update(plan.process_env)
         else:
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
         _CURRENT.update(key=key, strategy=built, plan=plan)
@@ -143,86 +145,61 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
 
 
 def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
+    """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
         raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
                          f"tf.distribute.CrossDeviceOps instance. Received: cross_device_ops={cross_device_ops!r}")
-    ops_name = "auto" if ops_instance is not None else cross_device_ops
     if devices is not None and (isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices
                                 or not all(isinstance(d, str) and d.strip() for d in devices)):
         raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
                          f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
     if devices:
         check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
-    topology = topology if topology is not None else nvml.probe()
-    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
-        log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
-    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
-    visible = devices_lib.visible_nvml_indices(topology)
-    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
-        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's; TensorFlow's PCI ids decide.
-        visible = devices_lib.visible_from_tensorflow(devices_lib.tf_gpus(topology))
-    mig = devices_lib.mig_entries()
-    no_gpu_warning = None
-    if topology.gpus and not tf_gpu_count:
-        why = _why_tensorflow_sees_no_gpu(visible)
-        no_gpu_warning = (f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none ({why}); falling back "
-                          f"to the CPU.")
-        no_gpu_reason = f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none: {why}"
-        visible = []
-    elif topology.error and not tf_gpu_count:
-        no_gpu_warning = no_gpu_reason = topology.error  # no driver / NVML: the text ends with the CPU fallback
-    elif mig and tf_gpu_count and not visible:
-        no_gpu_reason = (f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} names MIG instance(s), "
-                         f"which no NVML GPU index names; gpus='all' mirrors over them")
-    else:
-        no_gpu_reason = None
-    # An explicit GPU request that cannot be honoured raises here (with the reason); "all"/"auto" fall back.
-    plan = policy.make_plan(topology, gpus, ops_name, num_packs, visible=visible, xla_allreduce=xla_allreduce,
-                            no_gpu_reason=no_gpu_reason)
-    if no_gpu_warning:
-        log.warning("tf_nvlink: %s", no_gpu_warning)
-    plan = _apply_tuning(plan, topology, ops_name, num_packs)
-    if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") and not nccl_available():
-        plan, warning = without_nccl(plan)
+    ops_name = "auto" if ops_instance is not None else cross_device_ops
+    facts = gather_facts(topology if topology is not None else nvml.probe(), autotune=ops_name == "autotune")
+    # An explicit GPU request that cannot be honoured raises here, with the reason; "all"/"auto" fall back.
+    plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce,
+                                   ops_instance=type(ops_instance).__name__ if ops_instance is not None else "")
+    for warning in warnings:
         log.warning("tf_nvlink: %s", warning)
     if devices:
         device_names = list(devices)
     elif plan.gpus:
-        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(topology))
+        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(facts.topology))
+    elif facts.tf_gpu_count and (not facts.topology.gpus or facts.mig):
+        # GPUs NVML does not list, or MIG instances (no NVML GPU index names them): TensorFlow's own names
+        device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
     else:
-        if tf_gpu_count and not topology.gpus:
-            log.warning("tf_nvlink: TensorFlow sees %d GPU(s) but NVML does not (%s); mirroring over them "
-                        "with TensorFlow's default all-reduce.", tf_gpu_count,
-                        topology.error or nvml.warnings_line(topology.warnings) or "NVML lists no GPU")
-            device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
-            plan = _replace(plan, cross_device_ops="collective", num_packs=None,
-                            reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
-        elif tf_gpu_count and mig:
-            device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
-            ops_name_used = "reduce_to_one" if len(device_names) == 1 else "collective"
-            log.warning("tf_nvlink: CUDA_VISIBLE_DEVICES names MIG instance(s) %s: mirroring over TensorFlow's %d "
-                        "MIG device(s) with %s and no NVLink plan (a MIG instance has no NVLink of its own, and no "
-                        "NVML GPU index names it).", mig, len(device_names), ops_name_used)
-            plan = _replace(plan, cross_device_ops=ops_name_used, num_packs=None,
-                            reason=f"MIG instance(s) {mig}: TensorFlow's MIG device(s), no NVLink plan")
-        else:
-            device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if ops_instance is not None:
-        plan = _replace(plan, cross_device_ops=type(ops_instance).__name__, num_packs=None,
-                        reason="a CrossDeviceOps instance given by the caller")
-        ops = ops_instance
-    else:
-        ops = build_cross_device_ops(plan, device_names)
-    plan = _replace(plan, devices=tuple(device_names))
+        device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    ops = ops_instance if ops_instance is not None else build_cross_device_ops(plan, device_names)
+    plan = dataclasses.replace(plan, devices=tuple(device_names))
     xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
 
 
-def _default_peer_timeout():
-    from tf_nvlink import multi_worker  # noqa: PLC0415
+def gather_facts(topology: Topology, autotune: bool = False) -> policy.Facts:
+    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner.
 
-    return multi_worker.DEFAULT_PEER_TIMEOUT_S
+    With `autotune`, a missing tune winner is measured (minutes, in worker processes that need the GPUs' memory:
+    `policy.decide` asks before `devices_lib.tf_gpus()` initialises them here).
+    """
+    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
+    visible = tuple(devices_lib.visible_nvml_indices(topology))
+    cause = _why_tensorflow_sees_no_gpu(visible) if topology.gpus and not tf_gpu_count else ""
+    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
+        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's, TensorFlow's PCI ids say which
+        # GPUs it sees (this initialises them before an autotune, which only a mixed machine pays).
+        visible = tuple(devices_lib.visible_from_tensorflow(devices_lib.tf_gpus(topology)))
+
+    def tune_choice(gpus):
+        if autotune:
+            return tune.autotune_choice(topology, gpus)
+        return tune_cache.stored_choice(topology, gpus)
+
+    return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
+                        nccl_available=nccl_available(), tune_choice=tune_choice,
+                        mig=tuple(devices_lib.mig_entries()))
 
 
 def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
@@ -263,45 +240,5 @@ def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
             "installs the CUDA libraries, and the NVIDIA driver must be new enough for them")
 
 
-def nccl_available() -> bool:
-    """True when this TensorFlow build has NCCL's GPU kernels (CUDA builds do; CPU-only and ROCm ones may not)."""
-    from tensorflow.python.framework import kernels  # noqa: PLC0415
-
-    try:
-        return any(k.device_type == "GPU" for k in kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
-    except Exception:  # noqa: BLE001 - an op TensorFlow does not know at all: no NCCL
-        return False
-
-
-def without_nccl(plan: policy.Plan) -> tuple[policy.Plan, str]:
-    """The plan for a TensorFlow without NCCL kernels, and the one warning line that says so.
-
-    NcclAllReduce becomes ReductionToOneDevice (copies over NVLink/PCIe); the XLA all-reduce stays split,
-    since XLA's GPU all-reduce is NCCL too. Other ops are kept (CollectiveAllReduce falls back to its ring).
-    """
-    ops = "reduce_to_one" if plan.cross_device_ops == "nccl" else plan.cross_device_ops
-    change = f"using {ops} instead of {plan.cross_device_ops}" if ops != plan.cross_device_ops else f"keeping {ops}"
-    warning = (f"this TensorFlow has no NCCL GPU kernels: {change}, and jit_compile=True models all-reduce "
-               f"outside XLA (split mode)")
-    return _replace(plan, cross_device_ops=ops, num_packs=None if ops == "reduce_to_one" else plan.num_packs,
-                    xla_allreduce="split",
-                    reason=f"NCCL kernels missing from this TensorFlow build: {ops} (planned "
-                           f"{plan.cross_device_ops}: {plan.reason})"), warning
-
-
-def _apply_tuning(plan: policy.Plan, topology: Topology, ops_name: str, num_packs) -> policy.Plan:
-    """"autotune": the stored winner, or measure now; "auto": a stored winner beats the rules when one exists."""
-    if len(plan.gpus) < 2 or ops_name not in ("auto", "autotune") or num_packs is not None:
-        return plan
-    from tf_nvlink import tune  # noqa: PLC0415 - only multi-GPU plans need it
-
-    # Before devices_lib.tf_gpus(): measuring runs in worker processes that need the GPUs' memory.
-    if ops_name == "auto":
-        return tune.with_stored_choice(plan, topology)
-    ops, packs, reason = tune.autotune_choice(topology, plan.gpus)
-    return _replace(plan, cross_device_ops=ops, num_packs=packs, reason=reason,
-                    gpus=policy.replica_order(topology, plan.gpus, ops))
-
-
-def _replace(plan: policy.Plan, **changes) -> policy.Plan:
-    return dataclasses.replace(plan, **changes)
+nccl_available = devices_lib.nccl_available  # a fact: whether TensorFlow has NCCL's GPU kernels
+without_nccl = policy.without_nccl  # the plan without NCCL lives in the policy

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from typing import Optional
 
 from tf_nvlink import atomic, models, workers
+from tf_nvlink.text import one_line_error
 
 MODELS = ("mlp", "resnet50", "convnet")
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
@@ -56,18 +56,14 @@ def cpu_candidates(candidates: list[str]) -> tuple[list[str], list[str]]:
 
 
 def error_line(error: str, limit: int = 150) -> str:
-    """One line of a worker's error for a table: the exception line, never the traceback's frames.
+    """One line of a worker's error for a table: the exception line, never the traceback's frames
+    (`text.one_line_error`).
 
     Example:
         >>> error_line('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad')
         'ValueError: bad'
     """
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    exceptions = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", line)]
-    frames = ("Traceback", "File \"", "^", "~")
-    plain = [line for line in lines if not line.startswith(frames)]
-    line = (exceptions or plain or lines or ["(no message)"])[-1]
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return one_line_error(error, limit=limit, empty="(no message)")
 
 
 def gpu_absence() -> Optional[str]:

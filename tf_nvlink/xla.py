@@ -323,3 +323,42 @@ class PerReplicaXlaStrategyMixin:
 
             self._per_replica_functions[key] = (target, per_replica)  # keep target alive: ids are reused
         return self._per_replica_functions[key][1]
+
+
+# ==== Other Keras/TensorFlow private-API touches, kept here so this module holds every one ========================
+# (moved from multi_worker.py and callbacks.py; each says why it is needed)
+
+
+class MultiWorkerKerasReduceMixin:
+    """`reduce` as Keras 3 calls it on a MultiWorkerMirroredStrategy (put it before the strategy class).
+
+    Why: Keras 3 (3.15 and earlier; keras-team/keras#20585) calls `strategy.reduce` in two ways the stock strategy
+    rejects once there are two or more workers: with a tuple of per-replica batches (`_maybe_symbolic_build`,
+    "Attempt to convert a value (PerReplica...) to a Tensor") and with `axis=0` on per-replica scalars (the
+    logs, in `reduce_per_replica`: "Invalid reduction dimension 0 for input with 0 dimensions"). Here a
+    structure is reduced leaf by leaf, and a scalar across the replicas; every call TensorFlow accepts runs
+    unchanged. GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
+    DEVICE_GPU"; int32 lives in host memory there), and Keras reduces the integer labels of a batch: int32 is
+    reduced as int64.
+    """
+
+    def reduce(self, reduce_op, value, axis):
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(lambda leaf: self.reduce(reduce_op, leaf, axis), value)
+        shape = getattr(value, "shape", None)
+        if axis is not None and shape is not None and shape.rank == 0:
+            axis = None  # one number per replica: the reduction is across replicas
+        local = self.experimental_local_results(value)
+        if local and getattr(local[0], "dtype", None) == tf.int32:
+            wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
+            return tf.cast(super().reduce(reduce_op, wide, axis), tf.int32)
+        return super().reduce(reduce_op, value, axis)
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Make the next `model.fit()` start at `epoch`.
+
+    Why: Keras keeps the epoch a resumed fit starts from in the private `model._initial_epoch`, which its own
+    `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
+    """
+    model._initial_epoch = epoch  # noqa: SLF001

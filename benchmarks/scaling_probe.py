@@ -1,0 +1,315 @@
+"""Where does the 2-GPU step lose time? 1 GPU against tf_nvlink on N GPUs, trained the way users train, in ONE process.
+
+One process holds both setups, so their rounds interleave without restarting TensorFlow:
+- `1gpu`: plain Keras, no strategy, `jit_compile=True`, on GPU:0 (the best single-GPU setup);
+- `auto`: `tf_nvlink.strategy()` over every GPU, `jit_compile=True`;
+- input variants of `auto`: `host` (the default: a uint8 host batch through tf.data, as decoded JPEGs arrive,
+  cast on the GPU by the model's first layer), `buffer4` (the same with 4 batches prefetched to each GPU instead of
+  TensorFlow's 1), `device` (the batch already on each GPU: no host input at all).
+Each measurement is the wall time of a whole `model.fit(steps_per_epoch=S)` call after a warm-up fit; the rounds
+run interleaved and the table gives each setup's median round and the spread (max - min) / median.
+With `--profile DIR` it also traces a few steps of `1gpu` and `auto` with TensorFlow's profiler and prints, per GPU,
+where the step time goes (compute kernels, NCCL, memory copies, idle) from the trace itself.
+With NVML present it records the NVLink bytes (fields 138/139: data TX/RX, KiB per link) each setup moved per step.
+
+XLA_FLAGS is read once per process, so compare XLA settings by running this script once per setting, e.g.
+
+    python benchmarks/scaling_probe.py --rounds 3 --steps 100 --json out.json
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python benchmarks/scaling_probe.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---------------------------------------------------------------- NVLink counters (NVML field values) ----------
+def nvlink_kib(indices):
+    """{gpu: (tx_kib, rx_kib)} summed over active links, or None without NVML/counters."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return None
+    out = {}
+    try:
+        for i in indices:
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            links = []
+            for link in range(36):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(h, link):
+                        links.append(link)
+                except pynvml.NVMLError:
+                    break
+            if not links:
+                return None
+            values = pynvml.nvmlDeviceGetFieldValues(h, [(138, l) for l in links] + [(139, l) for l in links])
+            tx = sum(v.value.ullVal for v in values[:len(links)] if v.nvmlReturn == 0)
+            rx = sum(v.value.ullVal for v in values[len(links):] if v.nvmlReturn == 0)
+            out[i] = (tx, rx)
+    finally:
+        pynvml.nvmlShutdown()
+    return out
+
+
+# ---------------------------------------------------------------- trace summary --------------------------------
+def _union(intervals):
+    total, end = 0, None
+    start = None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            if end is not None:
+                total += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    if end is not None:
+        total += end - start
+    return total
+
+
+def _merge(intervals):
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _overlap(a, b):
+    """Length of the intersection of two merged interval lists."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize_trace(logdir, steps):
+    """Per GPU plane: window, busy, compute, NCCL (exposed = not overlapped by compute), copies, idle; in ms/step.
+    Host: the busiest TensorFlow op names (ms/step, summed over threads)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    paths = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
+    if not paths:
+        return {"error": f"no .xplane.pb under {logdir}"}
+    space = xplane_pb2.XSpace()
+    with open(paths[-1], "rb") as f:
+        space.ParseFromString(f.read())
+    result = {"trace": paths[-1], "gpus": {}, "host_top": []}
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        if plane.name.startswith("/device:GPU:"):
+            kinds = collections.defaultdict(list)
+            kernel_names = collections.Counter()
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                base = line.timestamp_ns * 1000
+                for ev in line.events:
+                    s = base + ev.offset_ps
+                    e = s + ev.duration_ps
+                    name = names.get(ev.metadata_id, "")
+                    low = name.lower() + " " + line.name.lower()
+                    if "nccl" in low:
+                        kind = "nccl"
+                    elif "memcpyh2d" in low or "htod" in low:
+                        kind = "h2d"
+                    elif "memcpyd2h" in low or "dtoh" in low:
+                        kind = "d2h"
+                    elif "memcpy" in low or "memset" in low:
+                        kind = "d2d"
+                    else:
+                        kind = "compute"
+                    kinds[kind].append((s, e))
+                    kernel_names[(kind, name[:60])] += ev.duration_ps
+            everything = [iv for ivs in kinds.values() for iv in ivs]
+            if not everything:
+                continue
+            lo = min(s for s, _ in everything)
+            hi = max(e for _, e in everything)
+            ps_per_ms = 1e9
+            compute = _merge(kinds["compute"])
+            nccl = _merge(kinds["nccl"])
+            busy = _union(everything)
+            summary = {
+                "window_ms_per_step": (hi - lo) / ps_per_ms / steps,
+                "busy_ms_per_step": busy / ps_per_ms / steps,
+                "idle_ms_per_step": (hi - lo - busy) / ps_per_ms / steps,
+                "compute_ms_per_step": _union(kinds["compute"]) / ps_per_ms / steps,
+                "nccl_ms_per_step": _union(kinds["nccl"]) / ps_per_ms / steps,
+                "nccl_exposed_ms_per_step": (_union(kinds["nccl"]) - _overlap(compute, nccl)) / ps_per_ms / steps,
+                "h2d_ms_per_step": _union(kinds["h2d"]) / ps_per_ms / steps,
+                "d2h_ms_per_step": _union(kinds["d2h"]) / ps_per_ms / steps,
+                "d2d_ms_per_step": _union(kinds["d2d"]) / ps_per_ms / steps,
+                "top_kernels": [(k, n, round(d / ps_per_ms / steps, 3)) for (k, n), d in
+                                kernel_names.most_common(8)],
+            }
+            result["gpus"][plane.name] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items()}
+        elif plane.name.startswith("/host:CPU"):
+            totals = collections.Counter()
+            for line in plane.lines:
+                for ev in line.events:
+                    totals[names.get(ev.metadata_id, "")[:80]] += ev.duration_ps
+            result["host_top"] = [(n, round(d / 1e9 / steps, 3)) for n, d in totals.most_common(25)]
+    return result
+
+
+# ---------------------------------------------------------------- training ------------------------------------
+def build_model(keras, image_shape, classes=1000, name="resnet50", steps_per_execution=1):
+    inputs = keras.Input(shape=image_shape, dtype="uint8")
+    x = keras.layers.Rescaling(1.0 / 255)(inputs)  # the cast runs on the GPU, inside the compiled step
+    if name == "resnet50":
+        outputs = keras.applications.ResNet50(weights=None, input_shape=image_shape, classes=classes)(x)
+    else:  # "tiny": a smoke test of this script on a CPU
+        x = keras.layers.Conv2D(8, 3, activation="relu")(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(), jit_compile=True,
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch_per_gpu", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="host,buffer4,device")
+    parser.add_argument("--image", type=int, default=224)
+    parser.add_argument("--model", default="resnet50", choices=("resnet50", "tiny"))
+    parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option, both setups")
+    parser.add_argument("--profile", default="", help="trace 1gpu and auto (host input) into this directory")
+    parser.add_argument("--profile_steps", type=int, default=10)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_nvlink
+
+    strategy = tf_nvlink.strategy()
+    plan = tf_nvlink.current_plan()
+    print(plan.summary(), flush=True)
+    import keras
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    n = strategy.num_replicas_in_sync
+    shape = (args.image, args.image, 3)
+    rng = np.random.default_rng(0)
+
+    def host_dataset(batch):
+        x = rng.integers(0, 256, size=(batch,) + shape, dtype=np.uint8)
+        y = rng.integers(0, 1000, size=(batch,)).astype("int32")
+        return tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(8)
+
+    # 1 GPU: no strategy at all; the model lives on the first GPU.
+    with tf.device(plan.devices[0] if plan.devices else "/cpu:0"):
+        one = build_model(keras, shape, name=args.model, steps_per_execution=args.steps_per_execution)
+    one_ds = host_dataset(args.batch_per_gpu)
+    with strategy.scope():
+        multi = build_model(keras, shape, name=args.model, steps_per_execution=args.steps_per_execution)
+    global_batch = args.batch_per_gpu * n
+    multi_host = host_dataset(global_batch)
+    inputs = {"host": multi_host}
+    if "buffer4" in args.variants:
+        inputs["buffer4"] = strategy.experimental_distribute_dataset(
+            multi_host, tf.distribute.InputOptions(experimental_per_replica_buffer_size=4))
+    if "device" in args.variants:
+        def on_device(context):
+            x = tf.constant(rng.integers(0, 256, size=(args.batch_per_gpu,) + shape, dtype=np.uint8))
+            y = tf.constant(rng.integers(0, 1000, size=(args.batch_per_gpu,)).astype("int32"))
+            return tf.data.Dataset.from_tensors((x, y)).repeat()
+        # distribute_datasets_from_function places each replica's pipeline output on its GPU; from_tensors of
+        # constants made there keeps the batch in device memory (no per-step host copy).
+        inputs["device"] = strategy.distribute_datasets_from_function(
+            on_device, tf.distribute.InputOptions(experimental_fetch_to_device=True))
+    setups = [("1gpu", one, one_ds, args.batch_per_gpu)] + [
+        (f"auto/{name}", multi, ds, global_batch) for name, ds in inputs.items()
+        if name in args.variants.split(",")]
+
+    gpus = list(plan.gpus)
+    times = collections.defaultdict(list)
+    nvlink = collections.defaultdict(list)
+    for name, model, ds, _ in setups:  # compile and warm up every setup first
+        started = time.perf_counter()
+        model.fit(ds, steps_per_epoch=args.warmup, epochs=1, verbose=0)
+        print(f"warm-up {name}: {time.perf_counter() - started:.1f} s", flush=True)
+    for r in range(args.rounds):
+        for name, model, ds, batch in setups:
+            before = nvlink_kib(gpus) if gpus else None
+            started = time.perf_counter()
+            model.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=0)
+            seconds = time.perf_counter() - started
+            after = nvlink_kib(gpus) if gpus else None
+            times[name].append(batch * args.steps / seconds)
+            if before and after:
+                nvlink[name].append({g: ((after[g][0] - before[g][0]) * 1024 / args.steps,
+                                         (after[g][1] - before[g][1]) * 1024 / args.steps) for g in gpus})
+            print(f"round {r + 1} {name}: {times[name][-1]:.0f} img/s", flush=True)
+
+    one_median = statistics.median(times["1gpu"])
+    rows = []
+    print(f"\n{'setup':<16}{'img/s':>9}{'spread':>9}{'step ms':>9}{'vs 1 GPU':>10}{'scaling':>9}"
+          f"{'NVLink TX MiB/step/GPU':>24}")
+    for name, _, _, batch in setups:
+        med = statistics.median(times[name])
+        spread = (max(times[name]) - min(times[name])) / med
+        replicas = 1 if name == "1gpu" else n
+        tx = ""
+        if nvlink[name]:
+            per_gpu = [statistics.median([s[g][0] for s in nvlink[name]]) / 2**20 for g in gpus]
+            tx = "/".join(f"{v:.1f}" for v in per_gpu)
+        row = {"setup": name, "img_per_s": med, "rounds": times[name], "spread": spread,
+               "step_ms": 1000 * batch / med, "scaling": med / (replicas * one_median), "nvlink_tx_mib": tx}
+        rows.append(row)
+        print(f"{name:<16}{med:>9.0f}{100 * spread:>8.1f}%{row['step_ms']:>9.1f}{med / one_median:>10.2f}"
+              f"{row['scaling']:>9.2f}{tx:>24}")
+    grads = sum(int(np.prod(v.shape)) * 4 for v in multi.trainable_variables)
+    print(f"# fp32 gradient bytes {grads / 2**20:.1f} MiB in {len(multi.trainable_variables)} tensors; expected "
+          f"all-reduce traffic per GPU per step 2(n-1)/n x that = {2 * (n - 1) / n * grads / 2**20:.1f} MiB")
+    print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; NCCL_P2P_DISABLE="
+          f"{os.environ.get('NCCL_P2P_DISABLE', '')!r}; steps_per_execution={args.steps_per_execution}; {args.rounds} interleaved rounds of "
+          f"{args.steps}-step fits after a {args.warmup}-step warm-up; median round, spread = (max-min)/median")
+
+    profiles = {}
+    if args.profile:
+        for name, model, ds, _ in setups[:2]:
+            logdir = os.path.join(args.profile, name.replace("/", "_"))
+            tf.profiler.experimental.start(logdir)
+            model.fit(ds, steps_per_epoch=args.profile_steps, epochs=1, verbose=0)
+            tf.profiler.experimental.stop()
+            profiles[name] = summarize_trace(logdir, args.profile_steps)
+            print(f"\n## profile {name} ({args.profile_steps} steps)")
+            print(json.dumps(profiles[name], indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"plan": plan.to_dict(), "rows": rows, "profiles": profiles,
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "gradient_bytes": grads,
+                       "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
