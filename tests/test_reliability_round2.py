@@ -150,6 +150,24 @@ def test_item5_reason_given_by_the_caller_is_named():
         policy.make_plan(topo_of("h200_x2"), "0", visible=[], no_gpu_reason="TensorFlow is built without CUDA")
 
 
+def test_items4_5_decide_plans_mig_and_names_why_explicit_gpus_cannot_be_honoured():
+    """policy.decide, the pure function strategy() and the report call: the MIG plan and the no-GPU reasons."""
+    mig = "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"
+    on_mig = policy.Facts(topo_of("h200_x2"), visible=(), tf_gpu_count=1, mig=(mig,))
+    plan, warnings = policy.decide(on_mig, "all")
+    assert plan.gpus == () and plan.cross_device_ops == "reduce_to_one" and "no NVLink plan" in plan.reason
+    assert len(warnings) == 1 and mig in warnings[0] and "no NVLink" in warnings[0], warnings
+    assert policy.decide(dataclasses.replace(on_mig, tf_gpu_count=2), "auto")[0].cross_device_ops == "collective"
+    with pytest.raises(ValueError, match=r"gpus='0' names GPUs.*MIG instance.*gpus='all' mirrors over them"):
+        policy.decide(on_mig, "0")
+    tf_sees_none = policy.Facts(topo_of("h200_x2"), visible=(0, 1), tf_gpu_count=0,
+                                no_gpu_cause="this TensorFlow is built without CUDA")
+    with pytest.raises(ValueError, match=r"gpus=\[0\].*TensorFlow sees none: this TensorFlow is built without CUDA"):
+        policy.decide(tf_sees_none, [0])
+    plan, warnings = policy.decide(tf_sees_none, "all")
+    assert plan.gpus == () and len(warnings) == 1 and "falling back to the CPU" in warnings[0]
+
+
 @pytest.mark.parametrize("gpus", [[-1], "-1", (0, -2)], ids=repr)
 def test_item6_gpu_indices_refuses_negative_indices(gpus):
     with pytest.raises(ValueError, match=r"Received: .* in gpus="):
