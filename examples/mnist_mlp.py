@@ -51,6 +51,7 @@ def import_tensorflow():
     from tf_nvlink import callbacks as safe_callbacks  # noqa: PLC0415
     from tf_nvlink import models  # noqa: PLC0415
 
+
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
 MIN_STEPS_PER_EPOCH = 10  # a small training set is repeated within an epoch to fill at least this many batches
 
@@ -81,6 +82,10 @@ _DATASET = flags.DEFINE_enum(
 _JIT_COMPILE = flags.DEFINE_bool(
     "jit_compile", False, "Compile the train step with XLA (Keras compile(jit_compile=...)).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weight initialisation and shuffling.")
+_MONITOR_NVLINK = flags.DEFINE_bool(
+    "monitor_nvlink", False, "Measure NVLink traffic from NVML's counters during training (tf_nvlink.NVLinkMonitor): "
+    "nvlink_gbps and nvlink_bytes_per_step in each epoch's line, and one line if NVLink carried far less than the "
+    "all-reduce should.")
 
 
 def replica_batch(global_batch, num_replicas):
@@ -254,7 +259,8 @@ def main(argv):
         model = models.compiled_mnist_mlp(jit_compile=_JIT_COMPILE.value)
     timer = epoch_timer()
     model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=_STEPS_PER_EPOCH.value, shuffle=False, verbose=2,
-              callbacks=make_callbacks(model_dir) + [timer])
+              callbacks=make_callbacks(model_dir) + [timer]
+              + ([tf_nvlink.NVLinkMonitor()] if _MONITOR_NVLINK.value else []))
     print(throughput_line(timer.seconds, epoch.examples), flush=True)
     evaluate_and_save(model, test, data.x_test[:256], model_dir)
     safe_callbacks.delete_backup(backup_dir(model_dir))  # only now: until model.keras exists, a rerun resumes instead of starting over

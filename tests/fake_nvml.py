@@ -41,6 +41,9 @@ class FakeGpu:
     nvlink_version: int = 6  # NVML enum
     nvlink_supported: bool = True  # False: every NVLink call raises NotSupported (PCIe-only / consumer GPUs)
     lost: bool = False  # nvmlDeviceGetHandleByIndex raises GPU_IS_LOST
+    traffic_fields: tuple = (138, 139, 140, 141)  # fields answered; the others NOT_SUPPORTED (older GPUs: none)
+    mig: Optional[int] = None  # nvmlDeviceGetMigMode's current mode (0 off, 1 on); None: NotSupported (no MIG)
+    counters_kib: dict = dataclasses.field(default_factory=dict)  # {(field id, link): cumulative KiB}
 
 
 @dataclasses.dataclass
@@ -196,7 +199,7 @@ def h200_x2() -> FakeMachine:
     """The lent machine: 2x H200 SXM, 18 NVLink 4.0 links each into NVSwitches (a VM: the switch links' remote
     PCI info reads ffffffff:ff:ff.0, 143771 MiB per GPU)."""
     gpus = [FakeGpu("NVIDIA H200", _pci(0, 6 + i), f"GPU-5c2f0e1a-0000-4000-8000-00000000000{i}", (9, 0), 141,
-                    links=[FakeLink(SWITCH, "ffffffff:ff:ff.0") for _ in range(18)], nvlink_version=6)
+                    links=[FakeLink(SWITCH, "ffffffff:ff:ff.0") for _ in range(18)], nvlink_version=6, mig=0)
             for i in range(2)]
     return FakeMachine(gpus, p2p_nvlink=_all_pairs(2, 0), pcie_level=_all_pairs(2, 30))
 
@@ -288,3 +291,92 @@ MACHINES = {
     "bridged_pairs_x4": bridged_pairs_x4,
     "no_driver": no_driver,
 }
+
+
+# ---- NVLink traffic counters (nvmlDeviceGetFieldValues) -------------------------------------------------------
+# Real 2x H200: fields 138/139 (DATA_TX/RX) and 140/141 (RAW_TX/RX) answer cumulative KiB per link, scopeId = link;
+# a 10 GiB GPU0->GPU1 peer copy added ~582k KiB on each of GPU0's 18 links (TX) and GPU1's (RX), i.e. the bytes
+# spread evenly over the links. nvmlDeviceGetNvLinkUtilizationCounter raises NotSupported there.
+# The fake's starting counts and RAW's protocol overhead (1/16 of the data) are made up, not measured.
+TRAFFIC_FIELD_IDS = (138, 139, 140, 141)
+DATA_TX, DATA_RX, RAW_TX, RAW_RX = TRAFFIC_FIELD_IDS
+
+
+def _field_value(field_id, scope_id, ret, value=0):
+    """What one entry of pynvml's c_nvmlFieldValue_t array exposes (valueType 3: unsigned long long)."""
+    return types.SimpleNamespace(fieldId=field_id, scopeId=scope_id, timestamp=0, latencyUsec=0,
+                                 valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlReturn=ret,
+                                 value=types.SimpleNamespace(ullVal=value, uiVal=value & 0xFFFFFFFF))
+
+
+def _counter(gpu: FakeGpu, field_id: int, link: int) -> int:
+    return gpu.counters_kib.setdefault((field_id, link), 10_000_000 + 1_000 * link + field_id)
+
+
+def _fake_field_values(self, handle, fieldIds):
+    """pynvml.nvmlDeviceGetFieldValues: a list of (fieldId, scopeId) tuples (or bare ids); each value carries its
+    own nvmlReturn, as real NVML answers per value and fails the whole call only for a bad handle."""
+    self._check("nvmlDeviceGetFieldValues")
+    gpu = self._gpu(handle)
+    answers = []
+    for request in fieldIds:
+        field_id, scope = request if isinstance(request, tuple) else (request, 0)
+        if field_id not in gpu.traffic_fields or not gpu.nvlink_supported:
+            answers.append(_field_value(field_id, scope, pynvml.NVML_ERROR_NOT_SUPPORTED))
+        elif not 0 <= scope < len(gpu.links):
+            answers.append(_field_value(field_id, scope, pynvml.NVML_ERROR_INVALID_ARGUMENT))
+        else:
+            answers.append(_field_value(field_id, scope, pynvml.NVML_SUCCESS, _counter(gpu, field_id, scope)))
+    return answers
+
+
+def _fake_utilization_counter(self, handle, link, counter):
+    """The deprecated per-link counter: NotSupported on H200 (and wherever the throughput fields work)."""
+    self._check("nvmlDeviceGetNvLinkUtilizationCounter")
+    gpu = self._gpu(handle)
+    self._link(handle, link)
+    if gpu.traffic_fields:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    return (0, 0)
+
+
+def _fake_mig_mode(self, handle):
+    self._check("nvmlDeviceGetMigMode")
+    gpu = self._gpu(handle)
+    if gpu.mig is None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    return [gpu.mig, gpu.mig]
+
+
+FakeNvml.nvmlDeviceGetFieldValues = _fake_field_values
+FakeNvml.nvmlDeviceGetNvLinkUtilizationCounter = _fake_utilization_counter
+FakeNvml.nvmlDeviceGetMigMode = _fake_mig_mode
+
+
+def _spread(gpu: FakeGpu, field_id: int, kib: int) -> None:
+    """Add `kib` over the GPU's active links evenly (the first links take the remainder), wrapping at 2**64."""
+    links = [i for i, link in enumerate(gpu.links) if link.active and gpu.nvlink_supported]
+    if not links:
+        return  # no NVLink: the bytes went over PCIe, which these counters do not see
+    share, extra = divmod(kib, len(links))
+    for n, link in enumerate(links):
+        value = _counter(gpu, field_id, link) + share + (1 if n < extra else 0)
+        gpu.counters_kib[(field_id, link)] = value % 2**64
+
+
+def transfer(machine: FakeMachine, src: int, dst: int, nbytes: int) -> None:
+    """Move `nbytes` from GPU `src` to GPU `dst` over NVLink: src's TX and dst's RX counters grow (KiB, whole)."""
+    kib = nbytes // 1024
+    raw = kib + kib // 16
+    _spread(machine.gpus[src], DATA_TX, kib)
+    _spread(machine.gpus[src], RAW_TX, raw)
+    _spread(machine.gpus[dst], DATA_RX, kib)
+    _spread(machine.gpus[dst], RAW_RX, raw)
+
+
+def ring_allreduce(machine: FakeMachine, gpus, nbytes: int) -> None:
+    """The NVLink traffic of one ring all-reduce of an `nbytes` buffer: each GPU sends (and receives)
+    2(n-1)/n * nbytes to its ring neighbour."""
+    n = len(gpus)
+    for i, gpu in enumerate(gpus):
+        transfer(machine, gpu, gpus[(i + 1) % n], 2 * (n - 1) * nbytes // n)

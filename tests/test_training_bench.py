@@ -68,6 +68,14 @@ def test_table_ratios_scaling_and_nvlink_speedup():
     assert "run-to-run noise" not in table
 
 
+def test_table_gives_the_cost_of_the_batch_norm_statistics_sync():
+    rows = [{"candidate": name, "replicas": 2, "jit_compile": True, "step_ms": 3.0, "examples_per_s": eps}
+            for name, eps in (("auto@fused", 990.0), ("auto@fused@nosync", 1000.0))]
+    assert "BatchNorm-statistics sync costs auto@fused 1.0% (990 vs 1000 examples/s without it)" in (
+        training_bench.render_table(rows))
+    assert training_bench.parse_candidates("auto@fused@nosync") == ["auto@fused@nosync"]
+
+
 def test_table_says_ops_do_not_matter_under_fused_xla():
     rows = [{"candidate": name, "replicas": 2, "jit_compile": True, "step_ms": 3.0, "examples_per_s": eps,
              "xla_allreduce": "fused"} for name, eps in (("auto", 690e3), ("hierarchical", 868e3))]

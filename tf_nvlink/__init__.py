@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 from tf_nvlink import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
-__all__ = ["strategy", "current_plan", "probe", "__version__"]
+__all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "sync_non_trainable", "synced_step",
+           "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -40,3 +41,40 @@ def current_plan():
 def probe(nvml=None):
     """NVML's view of this machine's GPUs and links as a `Topology` (instant; no TensorFlow)."""
     return _nvml.probe(nvml)
+
+
+def sync_non_trainable(model, variables=None):
+    """Average the model's non-trainable state (BatchNorm moving statistics) across replicas, in a custom
+    training loop's replica function; `model.fit` under a tf_nvlink strategy does it by itself.
+    See `tf_nvlink.replicas.sync_non_trainable`.
+
+    Example:
+        >>> def step_fn(x, y):
+        ...     ...  # forward, gradients, optimizer.apply(...)
+        ...     tf_nvlink.sync_non_trainable(model)
+        >>> strategy.run(step_fn, args=(x, y))
+    """
+    from tf_nvlink import replicas
+
+    return replicas.sync_non_trainable(model, variables)
+
+
+def synced_step(model, step):
+    """Wrap a replica function for `strategy.run` so the non-trainable state it writes ends identical on every
+    replica. See `tf_nvlink.replicas.synced_step`.
+
+    Example:
+        >>> strategy.run(tf_nvlink.synced_step(model, step_fn), args=(batch,))
+    """
+    from tf_nvlink import replicas
+
+    return replicas.synced_step(model, step)
+
+
+def __getattr__(name):
+    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.monitor), imported with Keras on first use."""
+    if name == "NVLinkMonitor":
+        from tf_nvlink import monitor
+
+        return monitor.NVLinkMonitor
+    raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Optional
+import time
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 from tf_nvlink.topology import (Gpu, GpuPair, NvLink, P2PStatus, PcieRelation, PciBusId, RemoteType, Topology,
                                 decode_nvlink_version, link_gbps)
@@ -226,3 +227,174 @@ def _read_pair(session: _Session, a: Gpu, b: Gpu, handles: dict[int, Any]) -> Gp
     return GpuPair(a=a.index, b=b.index, direct_links=direct, via_nvswitch=via_switch, p2p_nvlink=p2p,
                    pcie=PcieRelation.from_nvml(level), nvlink_gbps=round(direct_gbps + switch_gbps, 3),
                    switch_links=min(len(switch_a), len(switch_b)) if via_switch else 0)
+
+
+# ---- NVLink traffic counters (cumulative KiB per link; tf_nvlink.nvlink_traffic turns them into deltas, rates) ----
+# nvmlDeviceGetFieldValues field ids (nvml.h NVML_FI_DEV_NVLINK_THROUGHPUT_*), the link index as scopeId. DATA
+# counts payload; RAW adds protocol overhead.
+TRAFFIC_FIELDS = {"data_tx": 138, "data_rx": 139, "raw_tx": 140, "raw_rx": 141}
+_SUCCESS, _MIG_ENABLED = 0, 1  # nvmlReturn_t success; nvmlDeviceGetMigMode's 'enabled'
+# nvmlValueType_t -> (c_nvmlValue_t member, counter width in bits; the counter wraps at 2**bits)
+_VALUE_MEMBERS = {0: ("dVal", 64), 1: ("uiVal", 32), 2: ("ulVal", 64), 3: ("ullVal", 64), 4: ("sllVal", 63),
+                  5: ("siVal", 31), 6: ("usVal", 16)}
+NO_THROUGHPUT_FIELDS = "NVML has no NVLink throughput counters (field ids 138-141) on this GPU or driver"
+
+
+class CounterValue(NamedTuple):
+    """One cumulative NVLink counter as NVML read it."""
+
+    field: str  # a key of TRAFFIC_FIELDS: "data_tx", "data_rx", "raw_tx", "raw_rx"
+    link: int  # NVLink index (NVML scopeId)
+    kib: int  # KiB counted since the driver loaded (NVML's unit)
+    bits: int  # counter width: it wraps to 0 after 2**bits - 1 KiB
+
+
+class GpuCounters(NamedTuple):
+    """Every supported NVLink counter of one GPU, read by one nvmlDeviceGetFieldValues call."""
+
+    gpu: int  # NVML (nvidia-smi) index
+    read_at_s: float  # time.monotonic() seconds when the values came back
+    values: tuple  # CounterValue per (field, active link); empty when `error` is set
+    error: Optional[str] = None  # why this read gave no values (the GPU fell off, NVML failed)
+
+    def kib(self, field: str) -> int:
+        """The sum over links of one field, in KiB (not wrap-safe: use nvlink_traffic.traffic_delta for differences)."""
+        return sum(v.kib for v in self.values if v.field == field)
+
+
+class NvLinkCounterReader:
+    """NVLink TX/RX counters of chosen GPUs, cheap to read repeatedly: NVML is opened once (handles, active links,
+    which fields this driver answers), then each `read()` is one nvmlDeviceGetFieldValues call per GPU.
+
+    GPUs whose counters cannot be read are in `unavailable` ({gpu: why}), never an exception: no NVML, PCIe-only
+    GPUs, MIG mode, no active link, fields not supported (older drivers and GPUs). `error` says why no GPU at all.
+
+    Example:
+        >>> with NvLinkCounterReader([0, 1]) as reader:
+        ...     before = reader.read()            # {0: GpuCounters(...), 1: GpuCounters(...)}
+        ...     run_training_steps()
+        ...     after = reader.read()
+        >>> reader.unavailable                    # {} on 2x H200
+    """
+
+    def __init__(self, gpus: Optional[Iterable[int]] = None, nvml: Any = None):
+        self.gpus = tuple(int(g) for g in gpus) if gpus is not None else None  # None: every GPU NVML lists
+        self._nvml = nvml
+        self._initialised = False
+        self._handles: dict[int, Any] = {}
+        self._requests: dict[int, list[tuple[int, int]]] = {}  # gpu -> [(field id, link), ...]
+        self.unavailable: dict[int, str] = {}
+        self.error: Optional[str] = None
+
+    @property
+    def readable(self) -> tuple[int, ...]:
+        """The GPUs whose counters `read()` returns."""
+        return tuple(g for g in self.gpus or () if g in self._requests)
+
+    def open(self) -> "NvLinkCounterReader":
+        nvml = self._nvml
+        if nvml is None:
+            try:
+                nvml = self._nvml = _load_pynvml()
+            except RuntimeError as exc:
+                return self._fail(f"no NVML: {exc}")
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            return self._fail(f"no NVIDIA driver / NVML (nvmlInit failed: {exc})")
+        except OSError as exc:
+            return self._fail(f"cannot load NVML: {exc}")
+        self._initialised = True
+        if self.gpus is None:
+            try:
+                self.gpus = tuple(range(nvml.nvmlDeviceGetCount()))
+            except nvml.NVMLError as exc:
+                return self._fail(f"NVML cannot count the GPUs: {exc}")
+        for gpu in self.gpus:
+            why = self._prepare(nvml, gpu)
+            if why:
+                self.unavailable[gpu] = why
+        return self
+
+    def _fail(self, why: str) -> "NvLinkCounterReader":
+        self.error = why
+        self.unavailable = {gpu: why for gpu in self.gpus or ()}
+        return self
+
+    def _prepare(self, nvml: Any, gpu: int) -> Optional[str]:
+        """Set up one GPU's request; the reason its counters cannot be read, or None."""
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(gpu)
+        except nvml.NVMLError as exc:
+            return f"NVML has no GPU {gpu} ({exc})"
+        try:
+            if nvml.nvmlDeviceGetMigMode(handle)[0] == _MIG_ENABLED:
+                return "MIG mode is on: NVLink is not used between MIG instances, and its counters are not exposed"
+        except nvml.NVMLError:
+            pass  # NotSupported: a GPU without MIG
+        links = []
+        for link in range(_LINK_SEARCH_LIMIT):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(handle, link):
+                    links.append(link)
+            except nvml.NVMLError as exc:
+                if link == 0 and _error_code(exc) == _ERROR_NOT_SUPPORTED:
+                    return "no NVLink (a PCIe-only GPU: NVML answers Not Supported for its NVLink state)"
+                break  # Invalid Argument: past the last link
+        if not links:
+            return "no active NVLink link"
+        request = [(field_id, link) for field_id in TRAFFIC_FIELDS.values() for link in links]
+        try:
+            answers = list(nvml.nvmlDeviceGetFieldValues(handle, request))
+        except nvml.NVMLError as exc:
+            return f"nvmlDeviceGetFieldValues failed: {exc}"
+        failed_fields = {int(a.fieldId) for a in answers if int(a.nvmlReturn) != _SUCCESS}
+        fields = [f for f in TRAFFIC_FIELDS.values() if f not in failed_fields]
+        if not fields:
+            return NO_THROUGHPUT_FIELDS + _utilization_note(nvml, handle, links[0])
+        self._handles[gpu] = handle
+        self._requests[gpu] = [(field_id, link) for field_id in fields for link in links]
+        return None
+
+    def read(self) -> dict[int, GpuCounters]:
+        """{gpu: GpuCounters} for the readable GPUs: one nvmlDeviceGetFieldValues call each."""
+        nvml, names = self._nvml, {v: k for k, v in TRAFFIC_FIELDS.items()}
+        result = {}
+        for gpu in self.readable:
+            try:
+                answers = nvml.nvmlDeviceGetFieldValues(self._handles[gpu], self._requests[gpu])
+            except nvml.NVMLError as exc:
+                result[gpu] = GpuCounters(gpu, time.monotonic(), (), f"nvmlDeviceGetFieldValues failed: {exc}")
+                continue
+            now = time.monotonic()
+            values = []
+            for answer in answers:
+                if int(answer.nvmlReturn) != _SUCCESS:
+                    continue  # this value alone failed; its field's delta is left out (nvlink_traffic.traffic_delta)
+                member, bits = _VALUE_MEMBERS.get(int(answer.valueType), ("ullVal", 64))
+                values.append(CounterValue(names[int(answer.fieldId)], int(answer.scopeId),
+                                           int(getattr(answer.value, member)), bits))
+            result[gpu] = GpuCounters(gpu, now, tuple(values))
+        return result
+
+    def close(self) -> None:
+        if self._initialised:
+            self._initialised = False
+            with contextlib.suppress(self._nvml.NVMLError):
+                self._nvml.nvmlShutdown()
+
+    def __enter__(self) -> "NvLinkCounterReader":
+        return self.open()
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _utilization_note(nvml: Any, handle: Any, link: int) -> str:
+    """Older GPUs and drivers answer only the deprecated utilization counter, which needs root to set up."""
+    try:
+        nvml.nvmlDeviceGetNvLinkUtilizationCounter(handle, link, 0)
+    except (nvml.NVMLError, AttributeError):
+        return ""
+    return (" (only the deprecated nvmlDeviceGetNvLinkUtilizationCounter answers; its unit must be set by root "
+            "with nvmlDeviceSetNvLinkUtilizationControl, so tf_nvlink does not read it)")

@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
-from tf_nvlink import devices, policy, tune_cache
+from tf_nvlink import devices, nvlink_traffic, policy, tune_cache
 from tf_nvlink.nvml import probe as nvml_probe
 from tf_nvlink.text import table
 from tf_nvlink.topology import RemoteType, Topology
@@ -380,10 +380,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--no-tf", dest="no_tf", action="store_true",
                         help="skip TensorFlow (NVML facts only; instant, does not touch the GPUs)")
+    nvlink_traffic.add_traffic_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """`tf-nvlink report`: print the report; 0 also on a machine without GPUs."""
+    if getattr(args, "nvlink_traffic", None) is not None:
+        return nvlink_traffic.traffic_command(args.nvlink_traffic, as_json=args.json)
     if not args.no_tf:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter off the report
     data = collect(with_tf=not args.no_tf)

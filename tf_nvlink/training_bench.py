@@ -7,7 +7,8 @@ data already on the device, so the figures measure the step, not the input pipel
 - `stock`: `tf.distribute.MirroredStrategy()` exactly as TensorFlow gives it (Keras turns XLA off under it);
 - `auto`: `tf_nvlink.strategy()` with the policy's choice; `collective`, `nccl`, `reduce_to_one`,
   `hierarchical`: `tf_nvlink.strategy(cross_device_ops=...)`; `NAME@nop2p`: the same with `NCCL_P2P_DISABLE=1`
-  (NCCL moves data through host memory, as on a PCIe-only machine);
+  (NCCL moves data through host memory, as on a PCIe-only machine); `NAME@nosync`: the same with
+  TF_NVLINK_SYNC_NON_TRAINABLE=0 (replicas keep their own BatchNorm statistics: what the sync costs);
 - `workers`: the multi-worker runtime on this host, one worker process per GPU (CUDA_VISIBLE_DEVICES) with a
   localhost TF_CONFIG, so `tf_nvlink.strategy()` gives a MultiWorkerMirroredStrategy (NCCL between the
   processes); with `--cpu_devices N`, N CPU-only workers (tests). The chief's figures are reported.
@@ -33,7 +34,7 @@ OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
 CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES + ("workers",)
 
 
-SUFFIXES = ("nop2p", "split", "fused")
+SUFFIXES = ("nop2p", "split", "fused", "nosync")
 # Candidates that need GPUs: NCCL has no CPU kernels, HierarchicalCopyAllReduce falls back to reduce-to-one on CPU
 # devices, fused XLA all-reduce is GPU-only, NCCL_P2P_DISABLE means nothing without GPUs.
 GPU_ONLY = ("nccl", "hierarchical")
@@ -173,7 +174,10 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         def on_epoch_end(self, epoch, logs=None):
             timings.append(time.perf_counter() - self.start)
 
-    model.fit(dataset, steps_per_epoch=steps, epochs=3, verbose=0, callbacks=[Timer()])
+    from tf_nvlink import monitor, nvlink_traffic  # NVLink bytes per step (unavailable: the record says why)
+
+    nvlink = monitor.NVLinkMonitor()
+    model.fit(dataset, steps_per_epoch=steps, epochs=3, verbose=0, callbacks=[Timer(), nvlink])
     seconds = min(timings[1:])  # epoch 0 compiles; the best of the rest is the least disturbed
     gradient_tensors = len(model.trainable_variables)
     return {
@@ -185,6 +189,7 @@ def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: i
         "plan": plan.summary() if plan else None, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
         # "fused": the gradient all-reduce ran inside XLA, where TensorFlow uses its collective whatever the ops
         "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
+        **nvlink_traffic.bench_record(nvlink),
     }
 
 
@@ -216,7 +221,8 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
 
 
 def _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout) -> dict:
-    env = workers.package_env({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else None)
+    env = workers.package_env(dict({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else {},
+                                   **({"TF_NVLINK_SYNC_NON_TRAINABLE": "0"} if "@nosync" in candidate else {})))
     multi = candidate.split("@")[0] == "workers"
 
     def worker_args(devices):
@@ -325,6 +331,11 @@ def render_table(results: list[dict]) -> str:
             lines.append(f"# NVLink speed-up for {base}: {ok[base]['examples_per_s'] / record['examples_per_s']:.2f}x "
                          f"({ok[base]['examples_per_s']:.0f} vs {record['examples_per_s']:.0f} examples/s with "
                          f"NCCL_P2P_DISABLE=1)")
+        base = name.replace("@nosync", "")
+        if name.endswith("@nosync") and base in ok:
+            cost = 1 - ok[base]["examples_per_s"] / record["examples_per_s"]
+            lines.append(f"# replicas' BatchNorm-statistics sync costs {base} {100 * cost:.1f}% "
+                         f"({ok[base]['examples_per_s']:.0f} vs {record['examples_per_s']:.0f} examples/s without it)")
     fused = [r["candidate"] for r in results if "error" not in r and r.get("xla_allreduce") == "fused"]
     if len({name.split("@")[0] for name in fused}) > 1:
         lines.append(f"# {', '.join(fused)}: the all-reduce ran inside XLA (fused mode), where TensorFlow uses its "

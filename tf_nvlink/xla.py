@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from tf_nvlink import replicas
+
 log = logging.getLogger("tf_nvlink")
 
 # Keras versions whose trainer internals tests/test_xla.py pins (first, last tested minor version).
@@ -100,10 +102,12 @@ def install_keras_hooks() -> str | None:
         _ORIGINALS["_resolve_auto_jit_compile"] = trainer._resolve_auto_jit_compile
 
         def _make_function(self, step_function):
-            if not _per_replica_wanted(self):
+            if not _is_tf_nvlink(self.distribute_strategy):
                 return _ORIGINALS["_make_function"](self, step_function)
+            if not _per_replica_wanted(self):  # replicas.keep_replicas_in_sync: issue 18, BatchNorm statistics
+                return _ORIGINALS["_make_function"](self, replicas.keep_replicas_in_sync(self, step_function))
             kind = "train" if step_function == self.train_step else "test"
-            step = PerReplicaXlaStep(self, step_function, kind)
+            step = replicas.keep_replicas_in_sync(self, PerReplicaXlaStep(self, step_function, kind))
             saved = self._jit_compile
             self._jit_compile = False  # the function spanning the replicas must not be one XLA cluster
             try:
