@@ -174,129 +174,163 @@ def summarize_trace(logdir, steps):
 
 
 # ---------------------------------------------------------------- training ------------------------------------
-def build_model(keras, image_shape, classes=1000, name="resnet50", steps_per_execution=1):
-    inputs = keras.Input(shape=image_shape, dtype="uint8")
-    x = keras.layers.Rescaling(1.0 / 255)(inputs)  # the cast runs on the GPU, inside the compiled step
-    if name == "resnet50":
-        outputs = keras.applications.ResNet50(weights=None, input_shape=image_shape, classes=classes)(x)
-    else:  # "tiny": a smoke test of this script on a CPU
-        x = keras.layers.Conv2D(8, 3, activation="relu")(x)
-        x = keras.layers.GlobalAveragePooling2D()(x)
-        outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32")(x)
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(), jit_compile=True,
+def build_model(keras, name, image, steps_per_execution=1):
+    """ResNet-50 on uint8 images (cast on the GPU), the 368M-parameter Transformer LM, or a tiny CPU smoke model."""
+    if name == "transformer":
+        from tf_nvlink import models
+
+        model = models.transformer_lm()
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        inputs = keras.Input(shape=(image, image, 3), dtype="uint8")
+        x = keras.layers.Rescaling(1.0 / 255)(inputs)  # the cast runs on the GPU, inside the compiled step
+        if name == "resnet50":
+            outputs = keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=1000)(x)
+        else:  # "tiny": a smoke test of this script on a CPU
+            x = keras.layers.Conv2D(8, 3, activation="relu")(x)
+            x = keras.layers.BatchNormalization()(x)
+            x = keras.layers.GlobalAveragePooling2D()(x)
+            outputs = keras.layers.Dense(1000, activation="softmax", dtype="float32")(x)
+        model = keras.Model(inputs, outputs)
+        loss = keras.losses.SparseCategoricalCrossentropy()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss, jit_compile=True,
                   steps_per_execution=steps_per_execution)
     return model
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch_per_gpu", type=int, default=128)
+    parser.add_argument("--batch_per_gpu", type=int, default=None, help="default: 128 images, 8 sequences")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default="host,buffer4,device")
+    parser.add_argument("--variants", default="host,device",
+                        help="of auto: host, buffer4, device, nosync (BatchNorm statistics not averaged across "
+                             "replicas), monitor (NVLinkMonitor reading every batch)")
     parser.add_argument("--image", type=int, default=224)
-    parser.add_argument("--model", default="resnet50", choices=("resnet50", "tiny"))
+    parser.add_argument("--model", default="resnet50", choices=("resnet50", "transformer", "tiny"))
+    parser.add_argument("--allreduce_dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option, both setups")
     parser.add_argument("--profile", default="", help="trace 1gpu and auto (host input) into this directory")
     parser.add_argument("--profile_steps", type=int, default=10)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    variants = args.variants.split(",")
 
     import numpy as np
     import tensorflow as tf
 
     import tf_nvlink
 
-    strategy = tf_nvlink.strategy()
+    strategy = tf_nvlink.strategy(allreduce_dtype=args.allreduce_dtype)
     plan = tf_nvlink.current_plan()
     print(plan.summary(), flush=True)
     import keras
 
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     n = strategy.num_replicas_in_sync
-    shape = (args.image, args.image, 3)
+    per_gpu = args.batch_per_gpu or (8 if args.model == "transformer" else 128)
+    unit = "tokens" if args.model == "transformer" else "images"
+    per_example = 512 if args.model == "transformer" else 1  # tokens per sequence
     rng = np.random.default_rng(0)
 
-    def host_dataset(batch):
-        x = rng.integers(0, 256, size=(batch,) + shape, dtype=np.uint8)
-        y = rng.integers(0, 1000, size=(batch,)).astype("int32")
-        return tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(8)
+    def batch(size):
+        if args.model == "transformer":
+            tokens = rng.integers(0, 32000, size=(size, 512)).astype("int32")
+            return tokens, np.roll(tokens, -1, axis=1)
+        x = rng.integers(0, 256, size=(size, args.image, args.image, 3), dtype=np.uint8)
+        return x, rng.integers(0, 1000, size=(size,)).astype("int32")
+
+    def host_dataset(size):  # a host batch through tf.data, as users feed model.fit
+        return tf.data.Dataset.from_tensors(batch(size)).repeat().prefetch(8)
 
     # 1 GPU: no strategy at all; the model lives on the first GPU.
     with tf.device(plan.devices[0] if plan.devices else "/cpu:0"):
-        one = build_model(keras, shape, name=args.model, steps_per_execution=args.steps_per_execution)
-    one_ds = host_dataset(args.batch_per_gpu)
+        one = build_model(keras, args.model, args.image, args.steps_per_execution)
     with strategy.scope():
-        multi = build_model(keras, shape, name=args.model, steps_per_execution=args.steps_per_execution)
-    global_batch = args.batch_per_gpu * n
+        multi = build_model(keras, args.model, args.image, args.steps_per_execution)
+        unsynced = None
+        if "nosync" in variants:
+            unsynced = build_model(keras, args.model, args.image, args.steps_per_execution)
+    global_batch = per_gpu * n
     multi_host = host_dataset(global_batch)
-    inputs = {"host": multi_host}
-    if "buffer4" in args.variants:
-        inputs["buffer4"] = strategy.experimental_distribute_dataset(
-            multi_host, tf.distribute.InputOptions(experimental_per_replica_buffer_size=4))
-    if "device" in args.variants:
+    setups = [("1gpu", one, host_dataset(per_gpu), per_gpu, [])]
+    if "host" in variants:
+        setups.append(("auto/host", multi, multi_host, global_batch, []))
+    if "buffer4" in variants:
+        setups.append(("auto/buffer4", multi, strategy.experimental_distribute_dataset(
+            multi_host, tf.distribute.InputOptions(experimental_per_replica_buffer_size=4)), global_batch, []))
+    if "device" in variants:
         def on_device(context):
-            x = tf.constant(rng.integers(0, 256, size=(args.batch_per_gpu,) + shape, dtype=np.uint8))
-            y = tf.constant(rng.integers(0, 1000, size=(args.batch_per_gpu,)).astype("int32"))
-            return tf.data.Dataset.from_tensors((x, y)).repeat()
+            x, y = batch(per_gpu)
+            return tf.data.Dataset.from_tensors((tf.constant(x), tf.constant(y))).repeat()
         # distribute_datasets_from_function places each replica's pipeline output on its GPU; from_tensors of
         # constants made there keeps the batch in device memory (no per-step host copy).
-        inputs["device"] = strategy.distribute_datasets_from_function(
-            on_device, tf.distribute.InputOptions(experimental_fetch_to_device=True))
-    setups = [("1gpu", one, one_ds, args.batch_per_gpu)] + [
-        (f"auto/{name}", multi, ds, global_batch) for name, ds in inputs.items()
-        if name in args.variants.split(",")]
+        setups.append(("auto/device", multi, strategy.distribute_datasets_from_function(
+            on_device, tf.distribute.InputOptions(experimental_fetch_to_device=True)), global_batch, []))
+    if unsynced is not None:
+        setups.append(("auto/nosync", unsynced, multi_host, global_batch, []))
+    if "monitor" in variants:
+        setups.append(("auto/monitor", multi, multi_host, global_batch,
+                       [tf_nvlink.NVLinkMonitor(every_n_batches=1)]))
 
     gpus = list(plan.gpus)
     times = collections.defaultdict(list)
     nvlink = collections.defaultdict(list)
-    for name, model, ds, _ in setups:  # compile and warm up every setup first
+    monitored = collections.defaultdict(list)
+    for name, model, ds, _, callbacks in setups:  # compile and warm up every setup first
         started = time.perf_counter()
+        if model is unsynced:  # read when Keras builds the train function, i.e. now
+            os.environ["TF_NVLINK_SYNC_NON_TRAINABLE"] = "0"
         model.fit(ds, steps_per_epoch=args.warmup, epochs=1, verbose=0)
+        os.environ.pop("TF_NVLINK_SYNC_NON_TRAINABLE", None)
         print(f"warm-up {name}: {time.perf_counter() - started:.1f} s", flush=True)
     for r in range(args.rounds):
-        for name, model, ds, batch in setups:
-            before = nvlink_kib(gpus) if gpus else None
+        for name, model, ds, size, callbacks in setups:
+            before = nvlink_kib(gpus) if len(gpus) > 1 else None
             started = time.perf_counter()
-            model.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=0)
+            history = model.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=list(callbacks))
             seconds = time.perf_counter() - started
-            after = nvlink_kib(gpus) if gpus else None
-            times[name].append(batch * args.steps / seconds)
+            after = nvlink_kib(gpus) if len(gpus) > 1 else None
+            times[name].append(size * per_example * args.steps / seconds)
             if before and after:
                 nvlink[name].append({g: ((after[g][0] - before[g][0]) * 1024 / args.steps,
                                          (after[g][1] - before[g][1]) * 1024 / args.steps) for g in gpus})
-            print(f"round {r + 1} {name}: {times[name][-1]:.0f} img/s", flush=True)
+            if "nvlink_bytes_per_step" in history.history:
+                monitored[name].append(history.history["nvlink_bytes_per_step"][-1])
+            print(f"round {r + 1} {name}: {times[name][-1]:.0f} {unit}/s", flush=True)
 
     one_median = statistics.median(times["1gpu"])
     rows = []
-    print(f"\n{'setup':<16}{'img/s':>9}{'spread':>9}{'step ms':>9}{'vs 1 GPU':>10}{'scaling':>9}"
+    print(f"\n{'setup':<16}{unit + '/s':>9}{'spread':>9}{'step ms':>9}{'vs 1 GPU':>10}{'scaling':>9}"
           f"{'NVLink TX MiB/step/GPU':>24}")
-    for name, _, _, batch in setups:
+    for name, _, _, size, _ in setups:
         med = statistics.median(times[name])
         spread = (max(times[name]) - min(times[name])) / med
         replicas = 1 if name == "1gpu" else n
         tx = ""
         if nvlink[name]:
-            per_gpu = [statistics.median([s[g][0] for s in nvlink[name]]) / 2**20 for g in gpus]
-            tx = "/".join(f"{v:.1f}" for v in per_gpu)
-        row = {"setup": name, "img_per_s": med, "rounds": times[name], "spread": spread,
-               "step_ms": 1000 * batch / med, "scaling": med / (replicas * one_median), "nvlink_tx_mib": tx}
+            tx_mib = [statistics.median([s[g][0] for s in nvlink[name]]) / 2**20 for g in gpus]
+            tx = "/".join(f"{v:.1f}" for v in tx_mib)
+        if monitored.get(name):
+            tx += f" (NVLinkMonitor {statistics.median(monitored[name]) / 2**20:.1f})"
+        row = {"setup": name, "per_s": med, "unit": unit, "rounds": times[name], "spread": spread,
+               "step_ms": 1000 * size * per_example / med, "scaling": med / (replicas * one_median),
+               "nvlink_tx_mib": tx, "monitor_bytes_per_step": monitored.get(name)}
         rows.append(row)
         print(f"{name:<16}{med:>9.0f}{100 * spread:>8.1f}%{row['step_ms']:>9.1f}{med / one_median:>10.2f}"
-              f"{row['scaling']:>9.2f}{tx:>24}")
+              f"{row['scaling']:>9.2f}  {tx}")
     grads = sum(int(np.prod(v.shape)) * 4 for v in multi.trainable_variables)
     print(f"# fp32 gradient bytes {grads / 2**20:.1f} MiB in {len(multi.trainable_variables)} tensors; expected "
           f"all-reduce traffic per GPU per step 2(n-1)/n x that = {2 * (n - 1) / n * grads / 2**20:.1f} MiB")
     print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; NCCL_P2P_DISABLE="
-          f"{os.environ.get('NCCL_P2P_DISABLE', '')!r}; steps_per_execution={args.steps_per_execution}; {args.rounds} interleaved rounds of "
-          f"{args.steps}-step fits after a {args.warmup}-step warm-up; median round, spread = (max-min)/median")
+          f"{os.environ.get('NCCL_P2P_DISABLE', '')!r}; steps_per_execution={args.steps_per_execution}; "
+          f"allreduce_dtype={args.allreduce_dtype}; {args.rounds} interleaved rounds of {args.steps}-step fits after "
+          f"a {args.warmup}-step warm-up; median round, spread = (max-min)/median")
 
     profiles = {}
     if args.profile:
-        for name, model, ds, _ in setups[:2]:
+        for name, model, ds, _, _ in setups[:2]:
             logdir = os.path.join(args.profile, name.replace("/", "_"))
             tf.profiler.experimental.start(logdir)
             model.fit(ds, steps_per_epoch=args.profile_steps, epochs=1, verbose=0)

@@ -29,8 +29,9 @@ _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
 _CANDIDATES = flags.DEFINE_string(
     "candidates", ",".join(c for c in training_bench.CANDIDATES if c != "workers"),
     "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
-    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p, @split or @fused. "
-    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p only).")
+    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p or @ondevice, and "
+    "tf_nvlink's in @split, @fused, @nolhs, @bf16grad, @buffer1 or @nosync (training_bench.SUFFIXES). "
+    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p, @ondevice only).")
 _BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
                               lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)

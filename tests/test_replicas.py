@@ -37,7 +37,7 @@ if mode == "fused":  # fused mode's logic without XLA (tests/test_xla.py explain
     from tensorflow.python.distribute import mirrored_strategy
     import dataclasses
     mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
-    xla.fused_allreduce_possible = lambda strategy: True
+    xla.private.fused_allreduce_possible = lambda strategy: True
     def compiled_without_jit(self, replica_id):
         with self._lock:
             if replica_id not in self._compiled:

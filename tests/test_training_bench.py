@@ -1,9 +1,10 @@
-"""The training benchmark (tf_nvlink/training_bench.py, examples/benchmark.py) on logical CPU devices."""
+"""The training benchmark (tf_nvlink/training_bench.py, its worker tf_nvlink/bench/training_worker.py, its models in
+tf_nvlink/models.py, examples/benchmark.py) on logical CPU devices."""
 
 import pytest
 
 from conftest import run_python
-from tf_nvlink import training_bench
+from tf_nvlink import models, training_bench
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -11,20 +12,23 @@ from tf_nvlink import training_bench
     ("nccl@nop2p, auto@split", ["nccl@nop2p", "auto@split"]),
     ("auto@nop2p@fused", ["auto@nop2p@fused"]),
     ("workers,workers@nop2p", ["workers", "workers@nop2p"]),
+    ("auto@nolhs,auto@bf16grad@nop2p,auto@buffer1", ["auto@nolhs", "auto@bf16grad@nop2p", "auto@buffer1"]),
+    ("1gpu@ondevice,stock@ondevice,workers@ondevice", ["1gpu@ondevice", "stock@ondevice", "workers@ondevice"]),
 ])
 def test_parse_candidates(text, expected):
     assert training_bench.parse_candidates(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "gpu", "auto@fast", "auto@split@fused", "auto@nop2p@nop2p"])
+@pytest.mark.parametrize("text", ["", "gpu", "auto@fast", "auto@split@fused", "auto@nop2p@nop2p", "auto@bf16"])
 def test_parse_candidates_rejects_unknown_names_listing_valid_ones(text):
     with pytest.raises(ValueError, match="reduce_to_one"):
         training_bench.parse_candidates(text)
 
 
-@pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split"])
-def test_xla_modes_only_for_tf_nvlink_single_process_strategies(text):
-    with pytest.raises(ValueError, match="only '@nop2p' applies"):
+@pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split", "1gpu@bf16grad", "stock@nolhs",
+                                  "workers@buffer1"])
+def test_strategy_knobs_only_for_tf_nvlink_single_process_strategies(text):
+    with pytest.raises(ValueError, match="only '@nop2p' and '@ondevice' apply"):
         training_bench.parse_candidates(text)
 
 
@@ -43,7 +47,8 @@ def test_workers_candidate_trains_on_two_cpu_workers_in_lockstep(jit):
     """Two MultiWorkerMirroredStrategy processes on localhost, started and reaped together. With XLA the
     gradients are compiled per worker and all-reduced outside XLA ("split"): XLA's own all-reduce cannot span
     processes (it failed on 2x H200)."""
-    records = training_bench.run_candidates("convnet", ["workers"], steps=2, jit=jit, cpu_devices=2, timeout=240)
+    records = training_bench.run_candidates("convnet", ["workers"], steps=2, jit=jit, cpu_devices=2, timeout=240,
+                                            rounds=1, warmup_steps=1)
     record = records[0]
     assert "error" not in record, record.get("error")
     assert record["workers"] == 2 and record["replicas"] == 2 and len(record["worker_step_ms"]) == 2
@@ -117,7 +122,7 @@ def test_rounds_report_the_median_round_and_the_spread():
 
 def test_two_interleaved_rounds_on_cpu(capsys):
     records = training_bench.run_candidates("convnet", ["1gpu", "auto"], steps=2, jit=False, cpu_devices=2,
-                                            rounds=2, timeout=240)
+                                            rounds=2, timeout=240, warmup_steps=1)
     assert [len(r["rounds_examples_per_s"]) for r in records] == [2, 2]
     order = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if "round" in line]
     assert order == ["1gpu (round 1/2)", "auto (round 1/2)", "1gpu (round 2/2)", "auto (round 2/2)"]
@@ -125,3 +130,78 @@ def test_two_interleaved_rounds_on_cpu(capsys):
     assert "spread" in table and "2 rounds, candidates interleaved" in table
     with pytest.raises(ValueError, match="rounds should be a positive integer"):
         training_bench.run_candidates("convnet", ["1gpu"], rounds=0)
+
+
+def test_host_batches_come_in_the_dtypes_users_feed():
+    images, labels = models.synthetic_batch("convnet", 6)
+    assert images.dtype == "uint8" and images.shape == (6, 16, 16, 3) and labels.dtype == "int32"
+    tokens, targets = models.synthetic_batch("transformer_tiny", 3)
+    assert tokens.dtype == targets.dtype == "int32" and tokens.shape == targets.shape == (3, 16)
+    assert (tokens[:, 1:] == targets[:, :-1]).all()  # next-token targets
+    features, _ = models.synthetic_batch("mlp", 2)
+    assert features.dtype == "float32" and features.shape == (2, 784)
+    big = models.TRANSFORMER_CONFIGS["transformer"]
+    assert (big["d_model"], big["num_layers"], big["num_heads"], big["seq_len"]) == (1024, 24, 16, 512)
+
+
+@pytest.mark.parametrize("name", ["convnet", "transformer_tiny"])
+def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
+    """`--input device` gathers the examples from a copy held in the model: same outputs as feeding them."""
+    import keras
+    import numpy as np
+
+    x, _ = models.synthetic_batch(name, 4)
+    keras.utils.set_random_seed(1)
+    host = models.build_bench_model(name, x, keras, "host")
+    keras.utils.set_random_seed(1)  # the same initial weights
+    device = models.build_bench_model(name, x, keras, "device")
+    order = np.array([2, 0, 3, 1], dtype="int32")
+    np.testing.assert_allclose(device.predict(order, verbose=0), host.predict(x[order], verbose=0), rtol=1e-5)
+    assert len(device.trainable_variables) == len(host.trainable_variables)  # the held batch is not trained
+    assert host.inputs[0].dtype == x.dtype and device.inputs[0].dtype == "int32"
+    with pytest.raises(ValueError, match="input should be one of \\['host', 'device'\\]"):
+        models.build_bench_model(name, x, keras, "disk")
+
+
+@pytest.mark.parametrize("model, candidates", [
+    ("mlp", ["1gpu", "auto@bf16grad"]),
+    ("transformer_tiny", ["auto", "auto@ondevice"]),
+])
+def test_bench_workers_train_on_two_cpu_replicas(model, candidates):
+    records = training_bench.run_candidates(model, candidates, steps=2, warmup_steps=1, cpu_devices=2, rounds=1,
+                                            timeout=240)
+    assert [r.get("error") for r in records] == [None, None]
+    assert [r["candidate"] for r in records] == candidates and all(r["examples_per_s"] > 0 for r in records)
+    assert records[1]["replicas"] == 2 and records[1]["jit_compile"] and records[1]["xla_allreduce"] == "split"
+    if model == "mlp":
+        assert records[0]["replicas"] == 1 and records[0]["input"] == "host"
+        assert records[1]["allreduce_dtype"] == "bfloat16" and "all-reduced in bfloat16" in records[1]["plan"]
+    else:
+        assert [r["input"] for r in records] == ["host", "device"]
+        assert records[0]["tokens_per_s"] == pytest.approx(16 * records[0]["examples_per_s"])
+        assert records[0]["parameters"] == records[1]["parameters"] == 21312
+        assert "tokens/s" in training_bench.render_table(records)
+
+
+def test_table_knob_ratios_and_scaling_per_input():
+    def row(name, eps, replicas=2, input_mode="host"):
+        return {"candidate": name, "replicas": replicas, "jit_compile": True, "step_ms": 1.0, "examples_per_s": eps,
+                "input": input_mode, "spread": 0.05}
+
+    rows = [row("1gpu", 1000.0, 1), row("1gpu@ondevice", 1100.0, 1, "device"), row("auto", 1800.0),
+            row("auto@nolhs", 1700.0), row("auto@bf16grad", 1890.0), row("auto@buffer1", 1800.0),
+            row("auto@ondevice", 2090.0, input_mode="device"), row("auto@nop2p", 1500.0),
+            row("auto@bf16grad@nop2p", 1650.0)]
+    table = training_bench.render_table(rows)
+    lines = table.splitlines()
+    assert next(x for x in lines if x.startswith("auto@ondevice ")).split()[-4:-1] == ["1.90", "0.95", "N/A"]
+    assert next(x for x in lines if x.startswith("auto ")).split()[-4:-1] == ["1.80", "0.90", "N/A"]
+    assert "# latency-hiding scheduler on/off for auto: 1.059x (auto 1800 vs auto@nolhs 1700 examples/s)" in lines
+    assert "# bfloat16/float32 gradient all-reduce for auto: 1.050x (auto@bf16grad 1890 vs auto 1800 examples/s)" \
+        in lines
+    assert "# bfloat16/float32 gradient all-reduce for auto@nop2p: 1.100x (auto@bf16grad@nop2p 1650 vs auto@nop2p " \
+           "1500 examples/s)" in lines
+    assert "# plan's input buffer/buffer 1 for auto: 1.000x (auto 1800 vs auto@buffer1 1800 examples/s)" in lines
+    assert any(x.startswith("# data on the device/host-fed for auto: 1.161x") for x in lines)
+    assert any(x.startswith("# NVLink speed-up for auto: 1.20x") for x in lines)
+    assert any(x.startswith("# NVLink speed-up for auto@bf16grad: 1.15x") for x in lines)

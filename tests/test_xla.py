@@ -1,4 +1,4 @@
-"""Per-replica XLA (tf_nvlink/xla.py) on 2 logical CPU devices: XLA compiles for the CPU too.
+"""Per-replica XLA (tf_nvlink/xla/) on 2 logical CPU devices: XLA compiles for the CPU too.
 
 Each scenario runs in its own process: TensorFlow fixes its device list at first use and tolerates one
 MirroredStrategy per process. The stock-MirroredStrategy test reproduces TensorFlow's failure, so the passing
@@ -133,7 +133,7 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
 def test_keras_internals_the_hook_relies_on():
-    """Pins what tf_nvlink/xla.py assumes of Keras; a Keras upgrade that changes these fails here first."""
+    """Pins what tf_nvlink/xla/ assumes of Keras; a Keras upgrade that changes these fails here first."""
     import keras
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -144,13 +144,13 @@ def test_keras_internals_the_hook_relies_on():
     version = tuple(int(p) for p in keras.__version__.split(".")[:2])
     assert xla.TESTED_KERAS[0] <= version <= xla.TESTED_KERAS[1], keras.__version__
     # Keras' own methods, also when an earlier test in this process installed the hooks over them.
-    make_function = inspect.getsource(xla._ORIGINALS.get("_make_function", TensorFlowTrainer._make_function))
+    make_function = inspect.getsource(xla._STATE.originals.get("_make_function", TensorFlowTrainer._make_function))
     assert "self.distribute_strategy.run(step_function" in make_function
     assert "jit_compile=self.jit_compile" in make_function
     assert "self._make_function(self.train_step)" in inspect.getsource(TensorFlowTrainer.make_train_function)
     assert "self._make_function(self.test_step)" in inspect.getsource(TensorFlowTrainer.make_test_function)
     assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
-    assert "Disable XLA with tf.distribute" in inspect.getsource(xla._ORIGINALS.get(
+    assert "Disable XLA with tf.distribute" in inspect.getsource(xla._STATE.originals.get(
         "_resolve_auto_jit_compile", TensorFlowTrainer._resolve_auto_jit_compile))
     assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
 
@@ -166,7 +166,7 @@ if mode == "fused":
     from tensorflow.python.distribute import mirrored_strategy
     import dataclasses
     mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False  # as under XLA on all-GPU replicas
-    xla.fused_allreduce_possible = lambda strategy: True
+    xla.private.fused_allreduce_possible = lambda strategy: True
     def compiled_without_jit(self, replica_id):
         with self._lock:
             if replica_id not in self._compiled:

@@ -133,7 +133,7 @@ class NVLinkMultiWorkerMirroredStrategy(xla.PerReplicaXlaStrategyMixin, xla.Mult
     """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
     `fit`/`evaluate` run on several workers (`xla.MultiWorkerKerasReduceMixin` says how).
 
-    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla.py; `build_strategy` puts
+    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla/; `build_strategy` puts
     "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
     in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
     inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers

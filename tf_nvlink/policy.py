@@ -17,7 +17,7 @@ import dataclasses
 from typing import Callable, Optional, Sequence
 
 from tf_nvlink import devices as devices_lib
-from tf_nvlink import nvml
+from tf_nvlink import knobs, nvml
 from tf_nvlink.cube_mesh import cube_mesh_order, is_dgx1_like, replica_order  # noqa: F401 (policy.*)
 from tf_nvlink.gpu_request import GpuSpec, auto_gpus, gpu_indices, parse_gpus  # noqa: F401 (policy.*)
 from tf_nvlink.topology import Topology
@@ -33,7 +33,7 @@ OPS = {
 OPS_CHOICES = ("auto", "autotune") + tuple(OPS)
 # Ops that pack gradients into `num_packs` buffers (tf.distribute.AllReduceCrossDeviceOps).
 PACKED_OPS = ("nccl", "hierarchical")
-# How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla.py).
+# How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla/).
 XLA_ALLREDUCE_CHOICES = ("auto", "fused", "split")
 
 
@@ -53,8 +53,12 @@ class Plan:
     shape: str  # Topology.kind(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
     nvlink_gbps: float  # slowest pair's NVLink GB/s per direction (0 without NVLink)
     devices: tuple[str, ...] = ()
-    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see xla.py)
+    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see tf_nvlink/xla/)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
+    xla_flags: tuple[str, ...] = ()  # step knobs (tf_nvlink/knobs.py): flags tf_nvlink adds to XLA_FLAGS,
+    xla_flags_kept: tuple[str, ...] = ()  # the user's XLA_FLAGS entries that won over a planned flag,
+    allreduce_dtype: str = "float32"  # the dtype gradients are all-reduced in,
+    input_buffer: int = 0  # batches prefetched to each replica's device (0: TensorFlow's default options)
 
     @property
     def on_cpu(self) -> bool:
@@ -68,13 +72,15 @@ class Plan:
             where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}: {self.reason} "
-                f"[topology {self.fingerprint}]")
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}{self.knobs_summary()}: "
+                f"{self.reason} [topology {self.fingerprint}]")
+
+    def knobs_summary(self) -> str:  # the step knobs that differ from TensorFlow's defaults, as "; ..." clauses
+        return knobs.summary_clauses(self)
 
     def to_dict(self) -> dict:
         record = dataclasses.asdict(self)
-        record["gpus"] = list(self.gpus)
-        record["devices"] = list(self.devices)
+        record.update({key: list(getattr(self, key)) for key in ("gpus", "devices", "xla_flags", "xla_flags_kept")})
         record["requested"] = [list(v) if isinstance(v, tuple) else v for v in self.requested]
         record["tensorflow_class"] = OPS.get(self.cross_device_ops)
         return record
@@ -215,14 +221,15 @@ class Facts:
     nccl_available: Optional[bool] = True
     tune_choice: Optional[Callable[[tuple[int, ...]], Optional[TuneChoice]]] = None
     mig: tuple[str, ...] = ()
+    user_xla_flags: str = ""  # the user's XLA_FLAGS, before tf_nvlink set any
 
 
 def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", num_packs: Optional[int] = None,
-           xla_allreduce: str = "auto", ops_instance: str = "") -> tuple[Plan, list[str]]:
+           xla_allreduce: str = "auto", ops_instance: str = "", asked_knobs=knobs.DEFAULT_REQUEST) -> tuple[Plan, list]:
     """The plan `tf_nvlink.strategy()` builds from `facts`, and the warning lines to log. The report calls it too.
 
     `ops_instance`: the class name of a `tf.distribute.CrossDeviceOps` instance the caller gave (then
-    `cross_device_ops` is "auto" and only the GPUs are chosen).
+    `cross_device_ops` is "auto" and only the GPUs are chosen). `asked_knobs`: see `knobs.validate_request`.
 
     Example:
         >>> plan, warnings = decide(Facts(nvml.probe(), tf_gpu_count=2))
@@ -271,7 +278,7 @@ def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", 
     if ops_instance:
         plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
                                    reason="a CrossDeviceOps instance given by the caller")
-    return plan, warnings
+    return knobs.choose_knobs(plan, facts.user_xla_flags, *asked_knobs), warnings
 
 
 def without_nccl(plan: Plan) -> tuple[Plan, str]:

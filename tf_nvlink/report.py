@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
-from tf_nvlink import devices, nvlink_traffic, policy, tune_cache
+from tf_nvlink import devices, knobs, nvlink_traffic, policy, tune_cache
 from tf_nvlink.nvml import probe as nvml_probe
 from tf_nvlink.text import table
 from tf_nvlink.topology import RemoteType, Topology
@@ -41,7 +41,7 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         nvml: a pynvml stand-in, used only when `topology` is None.
         plan: a `policy.Plan` (or its `to_dict()`) to show, such as `tf_nvlink.current_plan()`; default: the plan
             `tf_nvlink.strategy()` would make (gpus="all", cross_device_ops="auto").
-        environ: where to read CUDA_VISIBLE_DEVICES (default `os.environ`).
+        environ: where to read CUDA_VISIBLE_DEVICES and XLA_FLAGS (default `os.environ`).
 
     Example:
         >>> collect(with_tf=False)["no_gpu"]       # on a machine without the NVIDIA driver
@@ -67,7 +67,7 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         record["link_gbps"] = rates[0] if len(rates) == 1 else None  # None: no links, or links of mixed speed
         record["reaches"] = _reaches(topology, gpu)
     data["tensorflow"] = _collect_tf(topology, environ) if with_tf else {"checked": False}
-    facts = _facts(topology, visible, data["tensorflow"])
+    facts = _facts(topology, visible, data["tensorflow"], environ.get("XLA_FLAGS", ""))
     data["plan"] = _plan_record(plan) if plan is not None else _make_plan(facts, "all")
     data["auto_plan"] = _make_plan(facts, "auto")
     return data
@@ -110,7 +110,7 @@ def _plan_record(plan: Any) -> dict:
     return record
 
 
-def _facts(topology: Topology, visible: list[int], tf_section: dict) -> policy.Facts:
+def _facts(topology: Topology, visible: list[int], tf_section: dict, user_xla_flags: str = "") -> policy.Facts:
     """The facts `tf_nvlink.strategy()` would gather, as far as the report knows them (TensorFlow's only when
     it was asked: without it, TensorFlow is assumed to see the GPUs NVML and CUDA_VISIBLE_DEVICES leave)."""
     tf_gpu_count = nccl = None
@@ -124,7 +124,7 @@ def _facts(topology: Topology, visible: list[int], tf_section: dict) -> policy.F
     return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
                         no_gpu_cause=tf_section.get("problem") or "see TensorFlow's view above",
                         nccl_available=nccl, tune_choice=lambda gpus: tune_cache.stored_choice(topology, gpus),
-                        mig=tuple(devices.mig_entries()))
+                        mig=tuple(devices.mig_entries()), user_xla_flags=user_xla_flags)
 
 
 def _make_plan(facts: policy.Facts, gpus: str) -> dict:
@@ -348,6 +348,7 @@ def _render_plans(data: dict) -> str:
                   f"  ops        {_plan_ops(plan)}" + (f" ({plan['tensorflow_class']})"
                                                        if plan.get("tensorflow_class") else ""),
                   f"  XLA        {_XLA_MODES.get(plan.get('xla_allreduce'), plan.get('xla_allreduce'))}",
+                  f"  knobs      {knobs.report_text(plan)}",
                   f"  reason     {plan['reason']}"]
     if auto.get("error"):
         lines.append(f"gpus='auto' would fail: {auto['error']}")

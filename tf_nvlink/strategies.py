@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tf_nvlink import devices as devices_lib
 from tf_nvlink import cluster as cluster_lib
-from tf_nvlink import multi_worker, nvml, policy, rendezvous, tune, tune_cache, xla
+from tf_nvlink import knobs, multi_worker, nvml, policy, rendezvous, tune, tune_cache, xla
 from tf_nvlink.topology import Topology
 
 log = logging.getLogger("tf_nvlink")
@@ -42,6 +42,15 @@ class NVLinkMirroredStrategy(xla.PerReplicaXlaStrategyMixin, tf.distribute.Mirro
     @property
     def plan(self) -> Optional[policy.Plan]:
         return self._tf_nvlink_plan
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """What Keras' `fit` calls: without the caller's `options`, prefetch `plan.input_buffer` batches to each
+        replica's device, so the host split and the copies overlap the step (TensorFlow's default is 1)."""
+        buffer = getattr(self._tf_nvlink_plan, "input_buffer", 0)
+        if options is None and buffer:
+            options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
+                                                 experimental_per_replica_buffer_size=buffer)
+        return super().experimental_distribute_dataset(dataset, options=options)
 
 
 _LOCK = threading.Lock()
@@ -68,17 +77,18 @@ def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
     return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
 
 
-def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce):
+def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs=knobs.DEFAULT_REQUEST):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
     ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
-    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce)
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, asked_knobs)
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
              devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
              xla_allreduce: str = "auto", cluster_resolver=None,
-             peer_timeout_s: Optional[float] = None) -> tf.distribute.MirroredStrategy:
+             peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
+             input_buffer: Optional[int] = None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -102,6 +112,16 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             CPU-only ones) is chosen from this host's topology; see `tf_nvlink.multi_worker`. Call it first in
             the program, before any TensorFlow op.
         peer_timeout_s: how long a worker waits for the other workers to be reachable (default 60 s).
+        xla_flags: "auto" (on 2+ GPUs in fused XLA mode, add the latency-hiding scheduler to `XLA_FLAGS`), "none",
+            or a list of "--name=value" flags among `knobs.KNOWN_XLA_FLAGS`. A flag the user already set in
+            `XLA_FLAGS` is never overridden (`plan.xla_flags_kept` lists those). XLA reads `XLA_FLAGS` once, at its
+            first compile in the process: build the strategy before running any jit-compiled function, or the
+            flags have no effect (tf_nvlink cannot tell whether XLA has already started).
+        allreduce_dtype: "float32" (default) or "bfloat16": float32 gradients are cast to bfloat16 for the
+            all-reduce and back after it (half the bytes on the link; the sum is rounded to bfloat16's 8-bit
+            mantissa). Applies to Keras optimizers in `fit` (fused, split and without XLA).
+        input_buffer: batches `experimental_distribute_dataset` (Keras `fit`) prefetches to each replica's
+            device when no `InputOptions` are given (None: 2 on GPUs, TensorFlow's defaults on CPUs).
 
     Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
     same request returns the same strategy; a different request raises RuntimeError.
@@ -118,7 +138,9 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                                        or not 0 < peer_timeout_s < float("inf")):
         raise ValueError(f"peer_timeout_s should be a positive number of seconds, or None for "
                          f"{rendezvous.DEFAULT_PEER_TIMEOUT_S} s. Received: peer_timeout_s={peer_timeout_s!r}")
-    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce) + (
+    # Checked before anything is built or recorded: a bad value costs nothing.
+    asked_knobs = knobs.validate_request(xla_flags, allreduce_dtype, input_buffer)
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
         None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
         if _CURRENT:
@@ -132,19 +154,24 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
         if cluster_resolver is not None or cluster is not None:
             multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
+            if asked_knobs != knobs.DEFAULT_REQUEST:
+                raise ValueError(f"xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
+                                 f"leave them at their defaults with several workers. Received: "
+                                 f"xla_flags={xla_flags!r}, allreduce_dtype={allreduce_dtype!r}, "
+                                 f"input_buffer={input_buffer!r}")
             built, plan = multi_worker.build_strategy(
                 topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
                 peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
             # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
             os.environ.update(plan.process_env)
         else:
-            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce)
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     return built
 
 
-def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=knobs.DEFAULT_REQUEST):
     """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
@@ -157,10 +184,17 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
     if devices:
         check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
     ops_name = "auto" if ops_instance is not None else cross_device_ops
-    facts = gather_facts(topology if topology is not None else nvml.probe(), autotune=ops_name == "autotune")
-    # An explicit GPU request that cannot be honoured raises here, with the reason; "all"/"auto" fall back.
-    plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce,
-                                   ops_instance=type(ops_instance).__name__ if ops_instance is not None else "")
+    instance_name = type(ops_instance).__name__ if ops_instance is not None else ""
+    topology = topology if topology is not None else nvml.probe()
+    user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
+    _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
+                                 asked_knobs)
+    try:
+        facts = gather_facts(topology, autotune=ops_name == "autotune", user_xla_flags=user_xla_flags)
+        plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    except Exception:
+        _set_xla_flags(user_xla_flags)  # no strategy: the provisional flags are taken back
+        raise
     for warning in warnings:
         log.warning("tf_nvlink: %s", warning)
     if devices:
@@ -174,12 +208,16 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce):
         device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
     ops = ops_instance if ops_instance is not None else build_cross_device_ops(plan, device_names)
     plan = dataclasses.replace(plan, devices=tuple(device_names))
+    apply_xla_flags(plan, user_xla_flags)
+    if plan.allreduce_dtype != "float32":
+        xla.install_allreduce_dtype_hook()
     xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
 
 
-def gather_facts(topology: Topology, autotune: bool = False) -> policy.Facts:
-    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner.
+def gather_facts(topology: Topology, autotune: bool = False, user_xla_flags: Optional[str] = None) -> policy.Facts:
+    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner,
+    the user's `XLA_FLAGS` (default: the current value).
 
     With `autotune`, a missing tune winner is measured (minutes, in worker processes that need the GPUs' memory:
     `policy.decide` asks before `devices_lib.tf_gpus()` initialises them here).
@@ -199,7 +237,8 @@ def gather_facts(topology: Topology, autotune: bool = False) -> policy.Facts:
 
     return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
                         nccl_available=nccl_available(), tune_choice=tune_choice,
-                        mig=tuple(devices_lib.mig_entries()))
+                        mig=tuple(devices_lib.mig_entries()),
+                        user_xla_flags=os.environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags)
 
 
 def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
@@ -228,6 +267,47 @@ def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
             raise ValueError(f"devices names {available[wanted]} twice ({seen[wanted]!r} and {name!r}); each "
                              f"device holds one replica. Received: devices={list(devices)!r}")
         seen[wanted] = name
+
+
+def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, environ=None) -> str:
+    """Set `XLA_FLAGS` in `environ` (default os.environ) to the user's value (default: the current one) followed
+    by `plan.xla_flags` (which `policy.decide` already let the user's entries win over); returns the value.
+    XLA parses XLA_FLAGS once, at its first use in the process, so this must run before the first XLA compile
+    (the strategy does it while being built, before TensorFlow creates its devices).
+
+    Example:
+        >>> apply_xla_flags(plan, "")     # a 2-GPU fused plan
+        '--xla_gpu_enable_latency_hiding_scheduler=true'
+    """
+    environ = os.environ if environ is None else environ
+    user = environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags
+    value, added, _ = knobs.merge_xla_flags(user, plan.xla_flags)
+    _set_xla_flags(value, environ)
+    if added:
+        log.info("tf_nvlink: XLA_FLAGS=%s (applies if XLA has not compiled anything yet in this process)", value)
+    return value
+
+
+def _set_xla_flags(value: str, environ=None) -> None:
+    environ = os.environ if environ is None else environ
+    if value:
+        environ["XLA_FLAGS"] = value
+    else:
+        environ.pop("XLA_FLAGS", None)
+
+
+def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
+                                 asked_knobs):
+    """The XLA flags of the plan NVML alone implies (`policy.decide` without TensorFlow's facts), set before
+    `gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
+    again, or takes them back."""
+    facts = policy.Facts(topology=topology, visible=tuple(devices_lib.visible_nvml_indices(topology)),
+                         user_xla_flags=user_xla_flags)
+    try:
+        early, _ = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    except ValueError:
+        return  # the final `decide` raises or falls back, and the flags are set then
+    apply_xla_flags(early, user_xla_flags)
 
 
 def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:

@@ -1,20 +1,35 @@
 """Training throughput, 1 GPU against N GPUs, per cross-device-ops candidate, side by side in one run.
 
 Each candidate trains in its own process (TensorFlow tolerates one MirroredStrategy per process) on synthetic
-data already on the device, so the figures measure the step, not the input pipeline:
+data fed the way users feed it (`--input host`, the default): one global batch in host memory (uint8 images,
+int32 tokens, float32 MLP features) served by `tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(AUTOTUNE)`;
+the model casts images to floats on the device (its first layer, `Rescaling`). A candidate's figure is the wall
+time of one whole `model.fit(ds, steps_per_epoch=steps)` call after a warm-up fit that compiles; `--rounds`
+(default 3) runs the candidate list that many times, interleaved, and reports each candidate's median round with
+the spread. `--input device` (or the suffix `@ondevice`) keeps the batch on each device instead: it lives in a
+non-trainable variable on every replica's device (copied there once, when the model is built) and tf.data
+carries only int32 example indices and the labels from the host, so the step is measured without the image
+copies. Candidates:
 
 - `1gpu`: the best single-GPU setup (no strategy; XLA when `--jit`);
 - `stock`: `tf.distribute.MirroredStrategy()` exactly as TensorFlow gives it (Keras turns XLA off under it);
 - `auto`: `tf_nvlink.strategy()` with the policy's choice; `collective`, `nccl`, `reduce_to_one`,
   `hierarchical`: `tf_nvlink.strategy(cross_device_ops=...)`; `NAME@nop2p`: the same with `NCCL_P2P_DISABLE=1`
-  (NCCL moves data through host memory, as on a PCIe-only machine); `NAME@nosync`: the same with
-  TF_NVLINK_SYNC_NON_TRAINABLE=0 (replicas keep their own BatchNorm statistics: what the sync costs);
+  (NCCL moves data through host memory, as on a PCIe-only machine);
+- knob suffixes for tf_nvlink strategies, each measured against the same name without it: `@nolhs`
+  (xla_flags="none": no latency-hiding scheduler), `@bf16grad` (allreduce_dtype="bfloat16"), `@buffer1`
+  (input_buffer=1, TensorFlow's default prefetch depth), `@split`/`@fused` (XLA all-reduce mode), `@nosync`
+  (TF_NVLINK_SYNC_NON_TRAINABLE=0: replicas keep their own BatchNorm statistics, what the sync costs);
 - `workers`: the multi-worker runtime on this host, one worker process per GPU (CUDA_VISIBLE_DEVICES) with a
   localhost TF_CONFIG, so `tf_nvlink.strategy()` gives a MultiWorkerMirroredStrategy (NCCL between the
   processes); with `--cpu_devices N`, N CPU-only workers (tests). The chief's figures are reported.
 
+The models and their input are in tf_nvlink/models.py, the worker that trains one candidate (TensorFlow) in
+tf_nvlink/bench/training_worker.py; this module runs the workers and renders the table.
+
 Example:
     $ python -m tf_nvlink.training_bench --model resnet50 --candidates 1gpu,stock,auto --jit
+    $ python -m tf_nvlink.training_bench --model transformer --candidates 1gpu,auto,auto@nop2p,auto@bf16grad@nop2p
 """
 
 from __future__ import annotations
@@ -28,13 +43,21 @@ from typing import Optional
 from tf_nvlink import atomic, models, workers
 from tf_nvlink.text import one_line_error
 
-MODELS = ("mlp", "resnet50", "convnet")
-DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64}  # per replica
+MODELS = models.BENCH_MODELS  # built by models.build_bench_model
+DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica
+IMAGE_MODELS, INPUTS = models.IMAGE_MODELS, models.INPUTS  # uint8-fed models; host- or device-held input
 OPS_CANDIDATES = ("auto", "collective", "nccl", "reduce_to_one", "hierarchical")
 CANDIDATES = ("1gpu", "stock") + OPS_CANDIDATES + ("workers",)
 
 
-SUFFIXES = ("nop2p", "split", "fused", "nosync")
+# Suffixes for tf_nvlink single-process strategies only (their arguments), and for every candidate.
+STRATEGY_SUFFIXES = ("split", "fused", "nolhs", "bf16grad", "buffer1", "nosync")
+SUFFIXES = ("nop2p", "ondevice") + STRATEGY_SUFFIXES
+# Knob suffix -> (what the table's ratio line calls it, True when the suffix turns the knob ON).
+KNOB_LINES = {"nolhs": ("latency-hiding scheduler on/off", False),
+              "bf16grad": ("bfloat16/float32 gradient all-reduce", True),
+              "buffer1": ("plan's input buffer/buffer 1", False),
+              "ondevice": ("data on the device/host-fed", True)}
 # Candidates that need GPUs: NCCL has no CPU kernels, HierarchicalCopyAllReduce falls back to reduce-to-one on CPU
 # devices, fused XLA all-reduce is GPU-only, NCCL_P2P_DISABLE means nothing without GPUs.
 GPU_ONLY = ("nccl", "hierarchical")
@@ -46,13 +69,13 @@ def cpu_candidates(candidates: list[str]) -> tuple[list[str], list[str]]:
     """(what makes sense on CPU devices, what was left out because it needs GPUs).
 
     Example:
-        >>> cpu_candidates(["1gpu", "stock", "auto", "nccl", "auto@nop2p"])
-        (['1gpu', 'stock', 'auto'], ['nccl', 'auto@nop2p'])
+        >>> cpu_candidates(["1gpu", "stock", "auto", "nccl", "auto@nop2p", "auto@bf16grad@fused"])
+        (['1gpu', 'stock', 'auto'], ['nccl', 'auto@nop2p', 'auto@bf16grad@fused'])
     """
     kept, dropped = [], []
     for candidate in candidates:
-        name, _, suffix = candidate.partition("@")
-        (dropped if name in GPU_ONLY or suffix in GPU_ONLY_SUFFIXES else kept).append(candidate)
+        name, *suffixes = candidate.split("@")
+        (dropped if name in GPU_ONLY or set(suffixes) & set(GPU_ONLY_SUFFIXES) else kept).append(candidate)
     return kept, dropped
 
 
@@ -82,7 +105,9 @@ def gpu_absence() -> Optional[str]:
 def parse_candidates(text: str) -> list[str]:
     """"1gpu,auto,nccl@nop2p,auto@split" -> list, with a clear error for unknown names.
 
-    Suffixes: "@nop2p" sets NCCL_P2P_DISABLE=1; "@split"/"@fused" force tf_nvlink's XLA all-reduce mode.
+    Suffixes: "@nop2p" sets NCCL_P2P_DISABLE=1; "@ondevice" keeps the batch on the devices; for tf_nvlink
+    strategies "@split"/"@fused" force the XLA all-reduce mode, "@nolhs" adds no XLA flags, "@bf16grad"
+    all-reduces gradients in bfloat16, "@buffer1" prefetches one batch per replica.
     """
     names = [c.strip() for c in text.split(",") if c.strip()]
     if not names:
@@ -93,109 +118,20 @@ def parse_candidates(text: str) -> list[str]:
         if base not in CANDIDATES or any(x not in SUFFIXES for x in suffixes) or len(set(suffixes)) < len(
                 suffixes) or {"split", "fused"} <= set(suffixes):
             raise ValueError(f"Unknown candidate {name!r}; valid: {list(CANDIDATES)}, each optionally with "
-                             f"'@nop2p' (NCCL_P2P_DISABLE=1) and '@split' or '@fused' (XLA all-reduce mode). "
+                             f"'@nop2p' (NCCL_P2P_DISABLE=1), '@ondevice' (data on the devices), '@split' or "
+                             f"'@fused' (XLA all-reduce mode), '@nolhs', '@bf16grad', '@buffer1'. "
                              f"Received: {text!r}")
-        if base in ("1gpu", "stock", "workers") and {"split", "fused"} & set(suffixes):
-            raise ValueError(f"Candidate {name!r}: '@split' and '@fused' are tf_nvlink's XLA modes of a "
-                             f"single-process strategy; {base!r} has none (only '@nop2p' applies). "
-                             f"Received: {text!r}")
+        if base in ("1gpu", "stock", "workers") and set(STRATEGY_SUFFIXES) & set(suffixes):
+            raise ValueError(f"Candidate {name!r}: {['@' + x for x in STRATEGY_SUFFIXES]} are arguments of a "
+                             f"single-process tf_nvlink strategy; {base!r} has none (only '@nop2p' and "
+                             f"'@ondevice' apply). Received: {text!r}")
     return names
-
-
-def _build_model(name: str, keras):
-    if name == "mlp":
-        return models.mnist_mlp()
-    if name == "resnet50":
-        return keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000)
-    if name == "convnet":  # small enough for CPU tests
-        return keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
-                                 keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
-    raise ValueError(f"model should be one of {list(MODELS)}. Received: {name!r}")
-
-
-def _input_shape(name: str) -> tuple[int, ...]:
-    return {"mlp": (784,), "resnet50": (224, 224, 3), "convnet": (16, 16, 3)}[name]
-
-
-def run_worker(model_name: str, candidate: str, batch_per_replica: int, steps: int, jit: bool,
-               mixed_precision: bool, cpu_devices: int = 0) -> dict:
-    """Train `steps` steps twice (the first pass compiles) and time the second; returns a JSON-ready record."""
-    import numpy as np
-    import tensorflow as tf
-
-    import tf_nvlink
-
-    ops = candidate.split("@")[0]
-    if ops == "workers":  # MultiWorkerMirroredStrategy (TF_CONFIG): first, before any TensorFlow op runs
-        strategy = tf_nvlink.strategy()
-    if cpu_devices and ops != "workers":
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
-    import keras
-
-    if mixed_precision:
-        keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    device_kind = "CPU" if cpu_devices else "GPU"
-    devices = [d.name for d in tf.config.list_logical_devices(device_kind)]
-    plan = None
-    if ops == "workers":
-        plan = strategy.plan
-    elif ops == "1gpu":
-        strategy = tf.distribute.get_strategy()  # no strategy at all: the plain single-device path
-    elif ops == "stock":
-        strategy = tf.distribute.MirroredStrategy(devices)
-    else:
-        suffixes = candidate.split("@")[1:]
-        mode = "split" if "split" in suffixes else "fused" if "fused" in suffixes else "auto"
-        strategy = tf_nvlink.strategy(cross_device_ops=ops, devices=devices if cpu_devices else None,
-                                      xla_allreduce=mode)
-        plan = tf_nvlink.current_plan()
-    replicas = strategy.num_replicas_in_sync
-    global_batch = batch_per_replica * replicas
-    rng = np.random.default_rng(0)
-    x = rng.uniform(size=(global_batch,) + _input_shape(model_name)).astype("float32")
-    y = rng.integers(0, 10, size=(global_batch,)).astype("int32")
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(tf.data.AUTOTUNE)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    dataset = dataset.with_options(options)
-    use_jit = jit and ops != "stock"  # stock = what TensorFlow gives: Keras turns XLA off under a strategy
-    with strategy.scope():
-        model = _build_model(model_name, keras)
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
-                      jit_compile=use_jit)
-    timings = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            timings.append(time.perf_counter() - self.start)
-
-    from tf_nvlink import monitor, nvlink_traffic  # NVLink bytes per step (unavailable: the record says why)
-
-    nvlink = monitor.NVLinkMonitor()
-    model.fit(dataset, steps_per_epoch=steps, epochs=3, verbose=0, callbacks=[Timer(), nvlink])
-    seconds = min(timings[1:])  # epoch 0 compiles; the best of the rest is the least disturbed
-    gradient_tensors = len(model.trainable_variables)
-    return {
-        "model": model_name, "candidate": candidate, "replicas": replicas, "jit_compile": bool(model.jit_compile),
-        "batch_per_replica": batch_per_replica, "global_batch": global_batch, "steps": steps,
-        "step_ms": 1000 * seconds / steps, "steps_per_s": steps / seconds,
-        "examples_per_s": global_batch * steps / seconds, "gradient_tensors": gradient_tensors,
-        "gradient_mib": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) / 2**20,
-        "plan": plan.summary() if plan else None, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
-        # "fused": the gradient all-reduce ran inside XLA, where TensorFlow uses its collective whatever the ops
-        "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
-        **nvlink_traffic.bench_record(nvlink),
-    }
 
 
 def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Optional[int] = None, steps: int = 30,
                    jit: bool = True, mixed_precision: Optional[bool] = None, cpu_devices: int = 0,
-                   timeout: int = 900, rounds: int = 1) -> list[dict]:
+                   timeout: int = 900, rounds: int = 3, input_mode: str = "host",
+                   warmup_steps: int = 10) -> list[dict]:
     """Run each candidate in its own process, one after another; failures become records with an `error`.
 
     With `rounds` > 1 the whole list runs that many times, round-robin (so slow drifts of a noisy machine hit
@@ -206,12 +142,17 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
         raise ValueError(f"model should be one of {list(MODELS)}. Received: {model_name!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds should be a positive integer. Received: rounds={rounds!r}")
+    if input_mode not in INPUTS:
+        raise ValueError(f"input should be one of {list(INPUTS)}. Received: input={input_mode!r}")
     batch = batch_per_replica or DEFAULT_BATCH[model_name]
-    mixed = (model_name == "resnet50") if mixed_precision is None else mixed_precision
+    # bfloat16 compute where it pays on GPUs: ResNet-50 and the Transformer (the tiny one mirrors the big one).
+    mixed = (model_name == "resnet50" or model_name in models.TRANSFORMER_CONFIGS) if mixed_precision is None \
+        else mixed_precision
     runs: dict[str, list[dict]] = {candidate: [] for candidate in candidates}
     for round_index in range(rounds):
         for candidate in candidates:
-            record = _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout)
+            record = _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout, input_mode,
+                              warmup_steps)
             runs[candidate].append(record)
             where = f" (round {round_index + 1}/{rounds})" if rounds > 1 else ""
             print(f"  {candidate}{where}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
@@ -220,7 +161,8 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
     return [combine_rounds(runs[candidate]) for candidate in candidates]
 
 
-def _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout) -> dict:
+def _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeout, input_mode="host",
+             warmup_steps=10) -> dict:
     env = workers.package_env(dict({"NCCL_P2P_DISABLE": "1"} if "@nop2p" in candidate else {},
                                    **({"TF_NVLINK_SYNC_NON_TRAINABLE": "0"} if "@nosync" in candidate else {})))
     multi = candidate.split("@")[0] == "workers"
@@ -229,7 +171,7 @@ def _run_one(model_name, candidate, batch, steps, jit, mixed, cpu_devices, timeo
         return [sys.executable, "-m", "tf_nvlink.training_bench", "--worker", "--model", model_name,
                 "--candidates", candidate, "--batch_per_replica", str(batch), "--steps", str(steps),
                 "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
-                "--cpu_devices", str(devices)]
+                "--cpu_devices", str(devices), "--input", input_mode, "--warmup_steps", str(warmup_steps)]
 
     started = time.perf_counter()
     if multi:  # each worker process trains on one device: its GPU, or its one CPU
@@ -304,38 +246,61 @@ def _ratio(value: Optional[float]) -> str:
     return "N/A" if value is None else f"{value:.2f}"
 
 
+def _without(name: str, suffix: str) -> str:
+    base, *suffixes = name.split("@")
+    return "@".join([base] + [x for x in suffixes if x != suffix])
+
+
+def _throughput(record: dict) -> float:
+    return record.get("tokens_per_s", record["examples_per_s"])
+
+
 def render_table(results: list[dict]) -> str:
-    """Examples/s per candidate, with speed-up over 1 GPU and scaling efficiency = thr_N / (N x thr_1)."""
-    one = next((r for r in results if r["candidate"] == "1gpu" and "error" not in r), None)
-    stock = next((r for r in results if r["candidate"] == "stock" and "error" not in r), None)
+    """Examples/s (tokens/s for Transformers) per candidate, with speed-up over 1 GPU (fed the same way) and
+    scaling efficiency = thr_N / (N x thr_1), spread of the rounds, NVLink speed-up for each `@nop2p` pair and the
+    on/off ratio of each knob pair (`@nolhs`, `@bf16grad`, `@buffer1`, `@ondevice`)."""
+    ok = {r["candidate"]: r for r in results if "error" not in r}
+    ones = {r.get("input", "host"): r for name, r in ok.items() if name.split("@")[0] == "1gpu"
+            and "nop2p" not in name.split("@")}
+    stock = ok.get("stock")
     spread = any("spread" in r for r in results)
-    header = (f"{'candidate':<22}{'replicas':>9}{'XLA':>5}{'step':>9}{'examples/s':>12}{'vs 1 GPU':>10}"
+    unit = "tokens/s" if any("tokens_per_s" in r for r in ok.values()) else "examples/s"
+    header = (f"{'candidate':<26}{'replicas':>9}{'XLA':>5}{'input':>7}{'step':>9}{unit:>12}{'vs 1 GPU':>10}"
               f"{'scaling':>9}{'vs stock':>10}" + (f"{'spread':>9}" if spread else ""))
-    units = (f"{'':<22}{'':>9}{'':>5}{'(ms)':>9}{'':>12}{'(x)':>10}{'(eff.)':>9}{'(x)':>10}"
-             + (f"{'(%)':>9}" if spread else ""))
+    units = (f"{'':<26}{'':>9}{'':>5}{'':>7}{'(ms)':>9}{'(median)' if spread else '':>12}{'(x)':>10}"
+             f"{'(eff.)':>9}{'(x)':>10}" + (f"{'(%)':>9}" if spread else ""))
     lines = [header, units]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['candidate']:<22}  FAILED: {error_line(r['error'])}")
+            lines.append(f"{r['candidate']:<26}  FAILED: {error_line(r['error'])}")
             continue
-        vs_one = r["examples_per_s"] / one["examples_per_s"] if one else None
+        one = ones.get(r.get("input", "host"))
+        vs_one = _throughput(r) / _throughput(one) if one else None
         scaling = vs_one / r["replicas"] if one else None
-        vs_stock = r["examples_per_s"] / stock["examples_per_s"] if stock else None
-        lines.append(f"{r['candidate']:<22}{r['replicas']:>9}{'yes' if r['jit_compile'] else 'no':>5}"
-                     f"{r['step_ms']:>9.1f}{r['examples_per_s']:>12.0f}{_ratio(vs_one):>10}{_ratio(scaling):>9}"
-                     f"{_ratio(vs_stock):>10}" + (f"{100 * r['spread']:>9.1f}" if "spread" in r else ""))
-    ok = {r["candidate"]: r for r in results if "error" not in r}
+        vs_stock = _throughput(r) / _throughput(stock) if stock and stock.get("input") == r.get("input") else None
+        lines.append(f"{r['candidate']:<26}{r['replicas']:>9}{'yes' if r['jit_compile'] else 'no':>5}"
+                     f"{r.get('input', 'host'):>7}{r['step_ms']:>9.1f}{_throughput(r):>12.0f}{_ratio(vs_one):>10}"
+                     f"{_ratio(scaling):>9}{_ratio(vs_stock):>10}"
+                     + (f"{100 * r['spread']:>9.1f}" if "spread" in r else ""))
     for name, record in ok.items():
-        base = name.replace("@nop2p", "")
-        if name.endswith("@nop2p") and base in ok:
-            lines.append(f"# NVLink speed-up for {base}: {ok[base]['examples_per_s'] / record['examples_per_s']:.2f}x "
-                         f"({ok[base]['examples_per_s']:.0f} vs {record['examples_per_s']:.0f} examples/s with "
+        base = _without(name, "nop2p")
+        if base != name and base in ok:
+            lines.append(f"# NVLink speed-up for {base}: {_throughput(ok[base]) / _throughput(record):.2f}x "
+                         f"({_throughput(ok[base]):.0f} vs {_throughput(record):.0f} {unit} with "
                          f"NCCL_P2P_DISABLE=1)")
-        base = name.replace("@nosync", "")
-        if name.endswith("@nosync") and base in ok:
-            cost = 1 - ok[base]["examples_per_s"] / record["examples_per_s"]
+        base = _without(name, "nosync")
+        if base != name and base in ok:
+            cost = 1 - _throughput(ok[base]) / _throughput(record)
             lines.append(f"# replicas' BatchNorm-statistics sync costs {base} {100 * cost:.1f}% "
-                         f"({ok[base]['examples_per_s']:.0f} vs {record['examples_per_s']:.0f} examples/s without it)")
+                         f"({_throughput(ok[base]):.0f} vs {_throughput(record):.0f} {unit} without it)")
+    for name, record in ok.items():
+        for suffix, (what, turns_on) in KNOB_LINES.items():
+            base = _without(name, suffix)
+            if base != name and base in ok:
+                on, off = (record, ok[base]) if turns_on else (ok[base], record)
+                lines.append(f"# {what} for {base}: {_throughput(on) / _throughput(off):.3f}x "
+                             f"({on['candidate']} {_throughput(on):.0f} vs {off['candidate']} "
+                             f"{_throughput(off):.0f} {unit})")
     fused = [r["candidate"] for r in results if "error" not in r and r.get("xla_allreduce") == "fused"]
     if len({name.split("@")[0] for name in fused}) > 1:
         lines.append(f"# {', '.join(fused)}: the all-reduce ran inside XLA (fused mode), where TensorFlow uses its "
@@ -345,6 +310,12 @@ def render_table(results: list[dict]) -> str:
     if rounds > 1:
         lines.append(f"# {rounds} rounds, candidates interleaved; each row is its median round, spread = "
                      f"(max - min) / median of its rounds")
+    timed = next(iter(ok.values()), None)
+    if timed and "warmup_steps" in timed:
+        lines.append(f"# each round: wall time of one model.fit of {timed['steps']} steps after a "
+                     f"{timed['warmup_steps']}-step warm-up fit; input host = tf.data from host memory"
+                     + (" (uint8 images cast on the device)" if timed["model"] in IMAGE_MODELS else "")
+                     + ", device = the batch held on each device, indices from the host")
     plans = sorted({r["plan"] for r in results if r.get("plan")})
     lines += [f"# {p}" for p in plans]
     return "\n".join(lines)
@@ -363,28 +334,38 @@ def main(argv=None) -> int:
     parser.add_argument("--mixed_precision", dest="mixed", action="store_true", default=None)
     parser.add_argument("--nomixed_precision", dest="mixed", action="store_false")
     parser.add_argument("--cpu_devices", type=int, default=0, help="run over N logical CPU devices (tests)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the candidate list this many times, interleaved, and report medians (noisy "
-                             "machines; default 1)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run the candidate list this many times, interleaved, and report medians with their "
+                             "spread (default 3)")
+    parser.add_argument("--input", default="host", choices=INPUTS,
+                        help="host: tf.data from host memory, as users train (default); device: the batch held on "
+                             "each device (NAME@ondevice does this for one candidate)")
+    parser.add_argument("--warmup_steps", type=int, default=10,
+                        help="steps of the untimed warm-up fit that compiles (default 10)")
     parser.add_argument("--json", default="", help="also write the records to this JSON file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.rounds < 1 or (args.batch_per_replica is not None and args.batch_per_replica < 1):
-        parser.error(f"--steps, --rounds and --batch_per_replica should be >= 1. Received: steps={args.steps}, "
-                     f"rounds={args.rounds}, batch_per_replica={args.batch_per_replica}")
+    if args.steps < 1 or args.rounds < 1 or args.warmup_steps < 1 or (args.batch_per_replica is not None
+                                                                      and args.batch_per_replica < 1):
+        parser.error(f"--steps, --rounds, --warmup_steps and --batch_per_replica should be >= 1. Received: "
+                     f"steps={args.steps}, rounds={args.rounds}, warmup_steps={args.warmup_steps}, "
+                     f"batch_per_replica={args.batch_per_replica}")
     try:
         candidates = parse_candidates(args.candidates)
     except ValueError as exc:
         parser.error(str(exc))
     if args.worker:
+        from tf_nvlink.bench.training_worker import run_worker  # noqa: PLC0415 - TensorFlow, in the worker only
+
         record = run_worker(args.model, candidates[0], args.batch_per_replica or DEFAULT_BATCH[args.model],
-                            args.steps, args.jit, bool(args.mixed), args.cpu_devices)
+                            args.steps, args.jit, bool(args.mixed), args.cpu_devices, args.input, args.warmup_steps)
         print(json.dumps(record), flush=True)
         return 0
     print("# " + " ".join([os.path.basename(sys.executable), "-m", "tf_nvlink.training_bench"]
                           + (argv if argv is not None else sys.argv[1:])))
     results = run_candidates(args.model, candidates, args.batch_per_replica, args.steps, args.jit, args.mixed,
-                             args.cpu_devices, rounds=args.rounds)
+                             args.cpu_devices, rounds=args.rounds, input_mode=args.input,
+                             warmup_steps=args.warmup_steps)
     print(render_table(results))
     if args.json:
         atomic.write_atomic(args.json, json.dumps(results, indent=1), mode=None)

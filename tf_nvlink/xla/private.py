@@ -1,0 +1,297 @@
+"""Every Keras/TensorFlow private-API touch of tf_nvlink's per-replica XLA, each with its reason, and the one
+object holding what was changed (`_STATE`, a `HookState`; `reset_hooks_for_tests()` puts Keras back).
+The trainer hooks that use these live in `tf_nvlink.xla` (the package), the per-replica steps in `steps.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from typing import Callable
+
+import tensorflow as tf
+
+log = logging.getLogger("tf_nvlink")
+
+
+# Keras versions whose trainer internals tests/test_xla.py pins (first, last tested minor version).
+TESTED_KERAS = ((3, 12), (3, 15))
+
+
+@dataclasses.dataclass
+class HookState:
+    """Everything this module changes in Keras, in one place (the module's only state).
+
+    originals: Keras' own functions, by "method" (TensorFlowTrainer's) or "Class.method" (an optimizer's), while
+        the hooks are installed; empty when they are not.
+    problem: why the last `enable_per_replica_xla()` could not install them (None: installed, or never tried).
+    Tests put Keras back with `reset_hooks_for_tests()`.
+    """
+
+    originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    problem: str | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_STATE = HookState()
+
+
+def reset_hooks_for_tests() -> None:
+    """Restore Keras' own methods and forget any install problem, as in a fresh process."""
+    uninstall_keras_hooks()
+    _STATE.problem = None
+
+
+class UnsupportedKerasError(RuntimeError):
+    """The installed Keras lacks the trainer internals per-replica XLA relies on."""
+
+
+def _keras_trainer_class():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: PLC0415
+
+    return TensorFlowTrainer
+
+
+def check_keras_support() -> str | None:
+    """None when this Keras can run per-replica XLA, else the reason it cannot."""
+    try:
+        import keras  # noqa: PLC0415
+
+        trainer = _keras_trainer_class()
+    except Exception as exc:  # noqa: BLE001 - any import problem means "not supported"
+        return f"cannot import Keras' TensorFlow trainer ({exc})"
+    version = tuple(int(p) for p in keras.__version__.split(".")[:2] if p.isdigit())
+    missing = [name for name in ("_make_function", "_resolve_auto_jit_compile", "train_step", "test_step")
+               if not hasattr(trainer, name)]
+    if missing:
+        return f"Keras {keras.__version__} has no TensorFlowTrainer.{', '.join(missing)}"
+    if version[:1] != (3,):
+        return f"Keras {keras.__version__} is not Keras 3"
+    return None
+
+
+def uninstall_keras_hooks() -> None:
+    """Restore Keras' own trainer methods (tests use this to show what the hooks fix)."""
+    with _STATE.lock:
+        trainer = _keras_trainer_class()
+        for name, original in _STATE.originals.items():
+            owner, _, attribute = name.rpartition(".")
+            setattr(_OPTIMIZER_CLASSES[owner]() if owner else trainer, attribute, original)
+        _STATE.originals.clear()
+
+
+def fused_allreduce_possible(strategy) -> bool:
+    """True when every replica is a GPU: there MirroredStrategy all-reduces inside XLA (CollectiveAllReduce
+    compiled to an XLA all-reduce over NCCL) and applies updates per replica without merge_call."""
+    devices = getattr(strategy.extended, "worker_devices", ())
+    return bool(devices) and all("GPU" in d.upper() for d in devices)
+
+
+def _only_first_replica_variables(optimizer) -> list:
+    """The optimizer's step counters (aggregation ONLY_FIRST_REPLICA: `iterations`, loss-scale counters)."""
+    if optimizer is None:
+        return []
+    return [v for v in optimizer.variables if str(getattr(v, "aggregation", "")) == "only_first_replica"]
+
+
+@contextlib.contextmanager
+def _replica_local(variables):
+    """While tracing one replica's fused step, point ONLY_FIRST_REPLICA variables at that replica's own copy.
+
+    TensorFlow broadcasts replica 0's value for such variables with a `merge_call`, even in its no-merge-call
+    XLA mode, and a `merge_call` cannot live inside XLA. Every replica computes the same value for these counters
+    (iterations + 1), so updating each replica's own copy keeps them identical without the broadcast.
+    """
+    swapped = []
+    try:
+        for variable in variables:
+            mirrored = getattr(variable, "_value", None)
+            local = getattr(mirrored, "_get_on_device_or_primary", None)
+            if local is not None:
+                swapped.append((variable, mirrored))
+                variable._value = local()
+        yield
+    finally:
+        for variable, mirrored in swapped:
+            variable._value = mirrored
+
+
+def _replica_id() -> int:
+    context = tf.distribute.get_replica_context()
+    replica_id = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
+    return int(replica_id or 0)
+
+
+# Custom loops: what `optimizer.apply` does while one replica's copy of a jit step is traced (thread-local:
+# MirroredStrategy traces each replica in its own thread). Keras' optimizers that define `apply` are hooked.
+_OPTIMIZER_CLASSES: dict[str, Callable[[], type]] = {
+    "BaseOptimizer": lambda: __import__("keras.src.optimizers.base_optimizer",
+                                        fromlist=["BaseOptimizer"]).BaseOptimizer,
+    "LossScaleOptimizer": lambda: __import__("keras.src.optimizers.loss_scale_optimizer",
+                                             fromlist=["LossScaleOptimizer"]).LossScaleOptimizer,
+}
+
+
+_TRACING = threading.local()
+
+
+def _install_optimizer_hooks() -> None:
+    """Hook `apply` of Keras' optimizers (called with _STATE.lock held, after the trainer hooks)."""
+    for owner, load in _OPTIMIZER_CLASSES.items():
+        cls = load()
+        original = cls.__dict__["apply"]
+        _STATE.originals[f"{owner}.apply"] = original
+
+        def apply(self, grads, trainable_variables=None, _original=original):
+            mode = getattr(_TRACING, "mode", None)
+            if mode is None or getattr(_TRACING, "depth", 0):
+                return _original(self, grads, trainable_variables)
+            if mode == "catch":
+                _TRACING.caught.append((self, list(grads), trainable_variables))
+                return None
+            _TRACING.depth = 1
+            try:
+                with _replica_local(_only_first_replica_variables(self)), _agreed_finite_check(self):
+                    return _original(self, grads, trainable_variables)
+            finally:
+                _TRACING.depth = 0
+
+        cls.apply = apply
+
+
+@contextlib.contextmanager
+def _optimizer_calls(mode: str):
+    """While tracing one replica's copy of a custom-loop step: "catch" records every outermost
+    `optimizer.apply(grads, variables)` instead of running it (split mode, the update runs after XLA);
+    "replica_local" runs it with the optimizer's step counters kept per replica (fused mode)."""
+    saved = (getattr(_TRACING, "mode", None), getattr(_TRACING, "caught", None), getattr(_TRACING, "depth", 0))
+    _TRACING.mode, _TRACING.caught, _TRACING.depth = mode, [], 0
+    try:
+        yield _TRACING.caught
+    finally:
+        _TRACING.mode, _TRACING.caught, _TRACING.depth = saved
+
+
+@contextlib.contextmanager
+def _agreed_finite_check(optimizer):
+    """Fused mode, LossScaleOptimizer: every replica skips or applies the step together.
+
+    Without merge_call each replica checks its own (not yet all-reduced) gradients for inf/NaN; the replicas
+    could disagree, and a replica that skips would leave the others' all-reduce waiting. The check is
+    all-reduced instead: the step is applied only when every replica's gradients are finite."""
+    check_finite = getattr(optimizer, "check_finite", None)
+    context = tf.distribute.get_replica_context()
+    if check_finite is None or not hasattr(optimizer, "inner_optimizer") or context is None \
+            or context.num_replicas_in_sync < 2:
+        yield
+        return
+
+    def agreed(grads):
+        not_finite = tf.cast(tf.logical_not(check_finite(grads)), tf.float32)
+        return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, not_finite), 0.0)
+
+    optimizer.check_finite = agreed
+    try:
+        yield
+    finally:
+        del optimizer.check_finite
+
+
+def _in_xla_context() -> bool:
+    from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+class CrossReplicaCallInXlaError(ValueError):
+    """A split-mode step (XLA per replica, all-reduce outside) asked for a cross-replica merge inside XLA."""
+
+
+@contextlib.contextmanager
+def _merge_call_explained():
+    """TensorFlow's "merge_call called while defining a new graph" in a split-mode step, said in tf_nvlink's terms."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        raise CrossReplicaCallInXlaError(
+            "A jit_compile=True step running in tf_nvlink's split mode (CPU replicas, or xla_allreduce='split') "
+            "asked for a cross-replica merge inside XLA, which split mode cannot hold: "
+            "keras.layers.BatchNormalization(synchronized=True), tf.distribute.get_replica_context().all_reduce() "
+            "or merge_call() in the step. Use synchronized=False (or move the all-reduce out of the jit step), "
+            "fused mode (all-GPU replicas: tf_nvlink.strategy(xla_allreduce='fused')), or jit_compile=False. "
+            f"TensorFlow said: {error}") from error
+
+
+# ==== Other Keras/TensorFlow private-API touches, kept here so this module holds every one =================
+# (moved from multi_worker.py and callbacks.py; each says why it is needed)
+
+
+class MultiWorkerKerasReduceMixin:
+    """`reduce` as Keras 3 calls it on a MultiWorkerMirroredStrategy (put it before the strategy class).
+
+    Why: Keras 3 (3.15 and earlier; keras-team/keras#20585) calls `strategy.reduce` in two ways the stock strategy
+    rejects once there are two or more workers: with a tuple of per-replica batches (`_maybe_symbolic_build`,
+    "Attempt to convert a value (PerReplica...) to a Tensor") and with `axis=0` on per-replica scalars (the
+    logs, in `reduce_per_replica`: "Invalid reduction dimension 0 for input with 0 dimensions"). Here a
+    structure is reduced leaf by leaf, and a scalar across the replicas; every call TensorFlow accepts runs
+    unchanged. GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
+    DEVICE_GPU"; int32 lives in host memory there), and Keras reduces the integer labels of a batch: int32 is
+    reduced as int64, and so are 8/16-bit integers, which collectives take on no device (uint8 image batches).
+    """
+
+    def reduce(self, reduce_op, value, axis):
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(lambda leaf: self.reduce(reduce_op, leaf, axis), value)
+        shape = getattr(value, "shape", None)
+        if axis is not None and shape is not None and shape.rank == 0:
+            axis = None  # one number per replica: the reduction is across replicas
+        local = self.experimental_local_results(value)
+        if local and getattr(local[0], "dtype", None) in (tf.int32, tf.uint8, tf.int8, tf.int16, tf.uint16):
+            wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
+            return tf.cast(super().reduce(reduce_op, wide, axis), local[0].dtype)
+        return super().reduce(reduce_op, value, axis)
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Make the next `model.fit()` start at `epoch`.
+
+    Why: Keras keeps the epoch a resumed fit starts from in the private `model._initial_epoch`, which its own
+    `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
+    """
+    model._initial_epoch = epoch  # noqa: SLF001
+
+
+# ---- Gradient all-reduce in bfloat16 (Plan.allreduce_dtype) -----------------------------------------------------
+# Why: Keras' TF optimizer all-reduces the gradients in the private `TFOptimizer._all_reduce_sum_gradients`, in
+# fit's three paths alike: no XLA, split (outside XLA) and fused (compiled into the XLA step). Hooked on the class
+# once; it acts only for optimizers created under a tf_nvlink strategy whose plan says "bfloat16".
+_ALLREDUCE_DTYPE_HOOK: dict[str, Callable] = {}
+_ALLREDUCE_DTYPE_LOCK = threading.Lock()
+
+
+def install_allreduce_dtype_hook() -> None:
+    """Make Keras optimizers under a tf_nvlink strategy whose plan says allreduce_dtype="bfloat16" all-reduce
+    float32 gradients in bfloat16 (half the bytes; the sum is rounded to bfloat16) and cast the sums back; other
+    gradients and other strategies' optimizers pass unchanged. `tf_nvlink.strategy(allreduce_dtype="bfloat16")`
+    calls it."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
+
+    with _ALLREDUCE_DTYPE_LOCK:
+        if _ALLREDUCE_DTYPE_HOOK:
+            return
+        original = _ALLREDUCE_DTYPE_HOOK["original"] = TFOptimizer._all_reduce_sum_gradients
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            plan = getattr(getattr(self, "_distribution_strategy", None), "_tf_nvlink_plan", None)
+            if getattr(plan, "allreduce_dtype", "float32") != "bfloat16":
+                return original(self, grads_and_vars)
+            pairs = list(grads_and_vars)
+            narrow = [g is not None and g.dtype == tf.float32 for g, _ in pairs]
+            reduced = original(self, [(tf.cast(g, tf.bfloat16) if n else g, v) for n, (g, v) in zip(narrow, pairs)])
+            return [(tf.cast(r, tf.float32) if n else r, v) for n, (r, v) in zip(narrow, reduced)]
+
+        TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
