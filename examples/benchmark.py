@@ -29,8 +29,9 @@ _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
 _CANDIDATES = flags.DEFINE_string(
     "candidates", ",".join(c for c in training_bench.CANDIDATES if c != "workers"),
     "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
-    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p, @split or @fused. "
-    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p only).")
+    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p or @ondevice, and "
+    "tf_nvlink's in @split, @fused, @nolhs, @bf16grad, @buffer1 or @nosync (training_bench.SUFFIXES). "
+    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p, @ondevice only).")
 _BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
                               lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)
@@ -53,8 +54,19 @@ def main(argv):
     if _NVLINK_OFF.value and "auto@nop2p" not in candidates:
         candidates.append("auto@nop2p")
     print("# " + " ".join(sys.argv), flush=True)
+    cpu_devices = _CPU_DEVICES.value
+    no_gpu = None if cpu_devices else training_bench.gpu_absence()
+    if no_gpu:  # say so now, and run what means something on CPU devices, instead of failing rows a minute later
+        cpu_devices = training_bench.CPU_FALLBACK_DEVICES
+        candidates, dropped = training_bench.cpu_candidates(candidates)
+        print(f"# no GPU here ({no_gpu}): running on {cpu_devices} logical CPU devices, as --cpu_devices "
+              f"{cpu_devices} does; CPU figures say nothing about NVLink"
+              + (f"; left out {', '.join(dropped)} (they need GPUs)" if dropped else ""), flush=True)
+        if not candidates:
+            raise app.UsageError(f"no candidate of --candidates={_CANDIDATES.value!r} runs without GPUs; try "
+                                 f"--candidates 1gpu,stock,auto,collective,reduce_to_one --cpu_devices 2")
     results = training_bench.run_candidates(_MODEL.value, candidates, _BATCH.value, _STEPS.value, _JIT.value,
-                                            cpu_devices=_CPU_DEVICES.value, rounds=_ROUNDS.value)
+                                            cpu_devices=cpu_devices, rounds=_ROUNDS.value)
     print(training_bench.render_table(results))
     if _JSON.value:
         atomic.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)

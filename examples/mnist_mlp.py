@@ -20,6 +20,7 @@ into place, so a kill at any instant leaves the previous version, never a trunca
 """
 
 import importlib.util
+import logging
 import math
 import os
 import sys
@@ -28,19 +29,28 @@ from typing import NamedTuple
 
 from absl import app
 from absl import flags
-import keras
 import numpy as np
-import tensorflow as tf
 
 try:
     import tf_nvlink
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
-from tf_nvlink import callbacks as safe_callbacks
 from tf_nvlink import datasets
-from tf_nvlink import models
 from tf_nvlink import policy
+
+# TensorFlow and Keras are imported by import_tensorflow(), when main() starts: --help and --helpfull stay fast.
+keras = tf = safe_callbacks = models = None
+
+
+def import_tensorflow():
+    """Import TensorFlow, Keras and the tf_nvlink modules that need them (once)."""
+    global keras, tf, safe_callbacks, models
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+    from tf_nvlink import callbacks as safe_callbacks  # noqa: PLC0415
+    from tf_nvlink import models  # noqa: PLC0415
+
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
 MIN_STEPS_PER_EPOCH = 10  # a small training set is repeated within an epoch to fill at least this many batches
@@ -145,19 +155,22 @@ def tensorboard_installed():
     return importlib.util.find_spec("tensorboard") is not None
 
 
-class EpochTimer(keras.callbacks.Callback):
-    """Records each epoch's wall time in `seconds`."""
+def epoch_timer():
+    """A Keras callback that records each epoch's wall time in `seconds`."""
 
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-        self._start = None
+    class EpochTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seconds = []
+            self._start = None
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
 
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    return EpochTimer()
 
 
 def throughput_line(epoch_seconds, examples_per_epoch):
@@ -187,6 +200,8 @@ def evaluate_and_save(model, test, x_check, model_dir):
 
 def make_strategy(gpus, cross_device_ops, num_packs):
     """tf_nvlink.strategy(), with a bad flag combination reported as a usage error; prints the plan."""
+    # The plan is printed below; tf_nvlink's own INFO line would repeat it (its warnings still show).
+    logging.getLogger("tf_nvlink").setLevel(logging.WARNING)
     try:
         strategy = tf_nvlink.strategy(gpus, cross_device_ops, num_packs)
     except ValueError as error:
@@ -224,6 +239,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     model_dir, global_batch = _MODEL_DIR.value or DEFAULT_MODEL_DIR, _BATCH_SIZE.value
+    import_tensorflow()
     backup = check_model_dir(model_dir)
     keras.utils.set_random_seed(_SEED.value)
     strategy = make_strategy(_GPUS.value, _CROSS_DEVICE_OPS.value, _NUM_PACKS.value)
@@ -241,7 +257,7 @@ def main(argv):
     train, test = make_datasets(data, global_batch, epoch.repeats, epoch.forever, seed=_SEED.value)
     with strategy.scope():
         model = models.compiled_mnist_mlp(jit_compile=_JIT_COMPILE.value)
-    timer = EpochTimer()
+    timer = epoch_timer()
     model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=_STEPS_PER_EPOCH.value, shuffle=False, verbose=2,
               callbacks=make_callbacks(model_dir) + [timer]
               + ([tf_nvlink.NVLinkMonitor()] if _MONITOR_NVLINK.value else []))

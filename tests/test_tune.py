@@ -291,7 +291,7 @@ def test_tune_end_to_end_on_cpu(cache):
 
 def test_report_and_auto_plan_show_a_stored_winner():
     """What `tf-nvlink report` says "auto" picks is what tf_nvlink.strategy() picks: the stored winner."""
-    from tf_nvlink import policy, report
+    from tf_nvlink import knobs, policy, report
 
     topo = h200()
     before = report.collect(topology=topo, with_tf=False)["plan"]
@@ -305,5 +305,6 @@ def test_report_and_auto_plan_show_a_stored_winner():
     assert (plan.cross_device_ops, plan.num_packs, plan.xla_allreduce) == ("hierarchical", 2, "fused")
     assert plan.to_dict() == {k: v for k, v in after.items() if k not in ("summary", "error", "warnings")}
     assert warnings == []
-    single, _ = policy.decide(facts, gpus="0")
-    assert single == policy.make_plan(topo, gpus="0")
+    single, _ = policy.decide(facts, gpus="0")  # one GPU: no winner applies; only the step knobs are added
+    assert single == knobs.choose_knobs(policy.make_plan(topo, gpus="0"))
+    assert (single.cross_device_ops, single.input_buffer) == (policy.make_plan(topo, gpus="0").cross_device_ops, 2)

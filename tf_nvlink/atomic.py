@@ -73,6 +73,30 @@ def atomic_path(path: str, suffix: str = "", mode: Optional[int] = None) -> Iter
             os.close(dir_fd)
 
 
+def unwritable_reason(path: str) -> Optional[str]:
+    """Why `write_atomic(path, ...)` would fail, found by creating (and removing) a temporary file beside `path`;
+    None when it would work. Check before minutes of measuring, not after.
+
+    Example:
+        >>> unwritable_reason("/proc/results.json")
+        "cannot write in /proc (Permission denied)"
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a folder, not a file name"
+    if not os.path.isdir(directory):
+        what = "is not a folder" if os.path.exists(directory) else "does not exist"
+        return f"{directory} {what}"
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".probe")
+    except OSError as exc:
+        return f"cannot write in {directory} ({exc.strerror or exc})"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
 def _umask() -> int:
     """The process umask, read without changing it where Linux allows (/proc), else by setting it back at once."""
     with contextlib.suppress(OSError, ValueError):

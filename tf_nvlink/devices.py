@@ -86,6 +86,40 @@ def visible_nvml_indices(topology: Topology, environ: Optional[Mapping[str, str]
     return chosen
 
 
+def visible_needs_tensorflow(topology: Topology, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when `CUDA_VISIBLE_DEVICES` numbers GPUs in an order NVML cannot predict, so only TensorFlow's PCI ids
+    say which GPUs it sees (`visible_from_tensorflow`).
+
+    CUDA numbers GPUs fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`; NVML numbers them by PCI bus id. The two
+    agree when every GPU is the same model, not on a machine that mixes models: there `CUDA_VISIBLE_DEVICES=0` may
+    be NVML's GPU 1.
+
+    Example:
+        >>> visible_needs_tensorflow(t4_and_a100, {"CUDA_VISIBLE_DEVICES": "0"})
+        True
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if not value or not any(re.fullmatch(r"\d+", e.strip()) for e in value.split(",")):
+        return False
+    if environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST").strip().upper() == "PCI_BUS_ID":
+        return False
+    return len({(gpu.name, gpu.compute_capability) for gpu in topology.gpus}) > 1
+
+
+def visible_from_tensorflow(mapped: Iterable[TfGpu]) -> list[int]:
+    """NVML indices of the GPUs TensorFlow sees, in its order, from their PCI bus ids (`tf_gpus`)."""
+    return [gpu.nvml_index for gpu in mapped if gpu.nvml_index is not None]
+
+
+def mig_entries(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The MIG instances `CUDA_VISIBLE_DEVICES` names ("MIG-<uuid>"): CUDA shows each as a GPU of its own, which
+    no NVML GPU index names and which has no NVLink of its own."""
+    environ = os.environ if environ is None else environ
+    return [e.strip() for e in (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")
+            if e.strip().upper().startswith("MIG-")]
+
+
 def _resolve_visible_entry(topology: Topology, entry: str) -> Optional[int]:
     if re.fullmatch(r"\d+", entry):
         index = int(entry)

@@ -1,6 +1,8 @@
 """Topology and requested GPUs in, a `Plan` (devices, cross-device ops, packs, reason) out. Pure: no TensorFlow.
 
 The rules are grounded in measurements recorded in BUILD_NOTES.md ("Policy rules and the figures behind them").
+Two pure parts live beside it and are re-exported here: `gpu_request` (a `gpus` request resolved to NVML indices)
+and `cube_mesh` (the DGX-1 wiring HierarchicalCopyAllReduce needs, and the replica order for it).
 
 Example:
     >>> from tf_nvlink import nvml, policy
@@ -12,11 +14,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 from tf_nvlink import devices as devices_lib
 from tf_nvlink import knobs, nvml
+from tf_nvlink.cube_mesh import cube_mesh_order, is_dgx1_like, replica_order  # noqa: F401 (policy.*)
+from tf_nvlink.gpu_request import GpuSpec, auto_gpus, gpu_indices, parse_gpus  # noqa: F401 (policy.*)
 from tf_nvlink.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
@@ -32,7 +35,6 @@ OPS_CHOICES = ("auto", "autotune") + tuple(OPS)
 PACKED_OPS = ("nccl", "hierarchical")
 # How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla/).
 XLA_ALLREDUCE_CHOICES = ("auto", "fused", "split")
-GpuSpec = Union[str, Sequence[int], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,10 @@ class Plan:
 
     def summary(self) -> str:
         """One line for the log and the report."""
-        where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
+        if not self.gpus and any("GPU" in d.upper() for d in self.devices):  # MIG, or GPUs NVML does not list
+            where = f"TensorFlow devices {list(self.devices)} (no NVML GPU index names them)"
+        else:
+            where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
         return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}{self.knobs_summary()}: "
@@ -95,78 +100,6 @@ def gpus_text(gpus: Sequence[int], shape: str, gbps: float, prefix: str = "GPUs 
     return f"{prefix}{list(gpus)} ({shape}{nvlink_text(gbps)})"
 
 
-def parse_gpus(spec: GpuSpec, topology: Topology, visible: Optional[Sequence[int]] = None) -> tuple[int, ...]:
-    """Resolve a `gpus` request to NVML indices.
-
-    `spec` is "all" (every GPU TensorFlow can see), "auto" (the largest NVLink-connected group), a list of
-    indices, or a string such as "0,1" (absl-flag friendly). `visible` are the NVML indices TensorFlow can see
-    (default: all of them).
-
-    Example:
-        >>> parse_gpus("1,0", topo)
-        (1, 0)
-    """
-    visible = tuple(topology.indices if visible is None else visible)
-    if isinstance(spec, str) and spec.strip().lower() in ("all", "auto"):
-        return visible if spec.strip().lower() == "all" else auto_gpus(topology, visible)
-    indices = gpu_indices(spec, visible)
-    for index in indices:
-        if index not in visible:
-            hidden = " (hidden from TensorFlow by CUDA_VISIBLE_DEVICES)" if index in topology.indices else ""
-            raise ValueError(f"GPU {index} does not exist on this machine{hidden}; valid GPU indices are "
-                             f"{list(visible)}. Received: gpus={spec!r}")
-    return indices
-
-
-def gpu_indices(spec: GpuSpec, valid: Sequence[int] = ()) -> tuple[int, ...]:
-    """The indices a `gpus` request names, checked for form only (not whether the GPUs exist): non-negative
-    integers, each once, at least one. ValueError names the bad value and `valid` (the machine's indices).
-    "all" and "auto" name no index: they are the caller's to resolve.
-    """
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        if not text:
-            raise ValueError(f"gpus should be 'all', 'auto', or GPU indices such as '0,1'. Received: gpus={spec!r}")
-        items: list = [item.strip() for item in text.split(",")]
-    elif isinstance(spec, int) and not isinstance(spec, bool):
-        items = [spec]
-    elif isinstance(spec, (list, tuple)):
-        items = list(spec)
-    else:
-        raise ValueError(f"gpus should be 'all', 'auto', a list of GPU indices or a string such as '0,1'. "
-                         f"Received: gpus={spec!r}")
-    if not items:
-        raise ValueError(f"gpus should name at least one GPU; this machine has {list(valid)}. "
-                         f"Received: gpus={spec!r}")
-    indices: list[int] = []
-    for item in items:
-        if isinstance(item, bool) or not (isinstance(item, int) or (isinstance(item, str)
-                                                                   and re.fullmatch(r"\d+", item))):
-            raise ValueError(f"gpus entries should be non-negative GPU indices (nvidia-smi numbering) among "
-                             f"{list(valid)}, or 'all' / 'auto'. Received: {item!r} in gpus={spec!r}")
-        index = int(item)
-        if index in indices:
-            raise ValueError(f"gpus names GPU {index} twice; each GPU can hold one replica. Name each of "
-                             f"{list(valid)} at most once. Received: gpus={spec!r}")
-        indices.append(index)
-    return tuple(indices)
-
-
-def auto_gpus(topology: Topology, visible: Sequence[int]) -> tuple[int, ...]:
-    """The largest NVLink-connected group of visible GPUs; ties go to the faster links, then more free memory."""
-    visible_set = set(visible)
-    groups = [tuple(i for i in group if i in visible_set) for group in topology.nvlink_groups()]
-    groups = [g for g in groups if g]
-    if not groups:
-        return ()
-
-    def rank(group):
-        free = sum(topology.gpu(i).memory_free_mib or 0 for i in group)
-        return (-len(group), -topology.min_pair_gbps(group), -free, group)
-
-    return min(groups, key=rank)
-
-
 def validate_ops(cross_device_ops: str, num_packs) -> None:
     """Check the user's ops name and num_packs, with a message naming the bad value and the valid choices."""
     if cross_device_ops not in OPS_CHOICES:
@@ -183,11 +116,13 @@ def validate_ops(cross_device_ops: str, num_packs) -> None:
 
 def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str = "auto",
               num_packs: Optional[int] = None, visible: Optional[Sequence[int]] = None,
-              xla_allreduce: str = "auto") -> Plan:
+              xla_allreduce: str = "auto", no_gpu_reason: Optional[str] = None) -> Plan:
     """Choose GPUs and cross-device ops for `topology`.
 
     Raises ValueError for requests that cannot work (unknown GPUs or ops, NCCL without GPUs, hierarchical copy
-    on an odd number of GPUs, which silently drops the last replica's gradient).
+    on an odd number of GPUs, which silently drops the last replica's gradient, GPU indices when no GPU is
+    usable: only "all" and "auto" fall back to the CPU). `no_gpu_reason` says why no GPU is usable, for that
+    message (the caller knows, e.g. "TensorFlow is built without CUDA").
     """
     validate_ops(cross_device_ops, num_packs)
     requested = (tuple(gpus) if isinstance(gpus, (list, tuple)) else gpus, cross_device_ops, num_packs)
@@ -196,6 +131,10 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         # request is an error here too, not something that only fails on the GPU machine.
         if not (isinstance(gpus, str) and gpus.strip().lower() in ("all", "auto")):
             gpu_indices(gpus)
+            why = no_gpu_reason or topology.error or (
+                "CUDA_VISIBLE_DEVICES hides every GPU" if topology.gpus else "NVML lists no GPU")
+            raise ValueError(f"gpus={gpus!r} names GPUs, but this process can use none ({why}). Make them "
+                             f"visible, or pass gpus='all' or 'auto', which fall back to the CPU with a warning.")
         chosen: tuple[int, ...] = ()
     else:
         chosen = parse_gpus(gpus, topology, visible)
@@ -204,6 +143,7 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
     # "autotune" plans like "auto"; `decide` then swaps in the measured winner (`Facts.tune_choice`).
     rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops  # `decide` adds the winner
     ops, packs, reason = _choose_ops(topology, chosen, shape, rule_request, num_packs)
+    chosen = replica_order(topology, chosen, ops)
     available = topology.indices if visible is None else tuple(visible)
     if isinstance(gpus, str) and gpus.strip().lower() == "auto" and 0 < len(chosen) < len(available):
         reason += (f"; gpus='auto' took the largest NVLink-connected group {list(chosen)} of {list(available)} "
@@ -219,18 +159,6 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
     return Plan(gpus=chosen, cross_device_ops=ops, num_packs=packs, reason=reason,
                 fingerprint=topology.fingerprint(), shape=shape, nvlink_gbps=round(gbps, 1), requested=requested,
                 xla_allreduce=xla_allreduce)
-
-
-def is_dgx1_like(topology: Topology, chosen: Sequence[int]) -> bool:
-    """8 GPUs with direct NVLink where each reaches exactly 4 others: the hybrid cube-mesh
-    HierarchicalCopyAllReduce was written for."""
-    if len(chosen) != 8:
-        return False
-    for a in chosen:
-        peers = [b for b in chosen if b != a and topology.pair(a, b).direct_links > 0]
-        if len(peers) != 4:
-            return False
-    return True
 
 
 def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, requested: str,
@@ -258,9 +186,11 @@ def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, request
                 f"all {n} GPUs reach each other {link}: NCCL all-reduce of the gradients packed into {packs} "
                 f"buffer(s), one launch per step instead of one per tensor (2x H200: 176 vs 142 GB/s for "
                 f"TensorFlow's default at 256 MiB, ResNet-50 5332 vs 5005 img/s; BUILD_NOTES.md)")
-    if shape == "nvlink-partial" and is_dgx1_like(topology, chosen):
-        return ("hierarchical", packs, "8 GPUs in a DGX-1 hybrid cube-mesh: HierarchicalCopyAllReduce was built "
-                "for exactly this shape (reduce within each NVLink quad, then across)")
+    quads_first = cube_mesh_order(topology, chosen) if shape == "nvlink-partial" else None
+    if quads_first is not None:
+        return ("hierarchical", packs, f"8 GPUs in a DGX-1 hybrid cube-mesh: HierarchicalCopyAllReduce was built "
+                f"for exactly this shape (reduce within each NVLink quad, {list(quads_first[:4])} and "
+                f"{list(quads_first[4:])}, then across their direct links; replicas ordered so)")
     if shape == "nvlink-partial":
         return ("nccl", packs, "some GPU pairs lack NVLink: NCCL routes rings over NVLink where it can and "
                 "PCIe/host memory elsewhere; hierarchical copy assumes the DGX-1 wiring and is not used")
@@ -280,7 +210,8 @@ class Facts:
     `visible`: NVML indices TensorFlow can see (CUDA_VISIBLE_DEVICES; None: all). `tf_gpu_count`: GPUs TensorFlow
     lists (None: not asked, as in `tf-nvlink report --no-tf`). `no_gpu_cause`: why TensorFlow sees no GPU, when it
     sees none. `nccl_available`: whether TensorFlow has NCCL's GPU kernels (None: not asked). `tune_choice`: the
-    tune winner for a set of GPUs, or None (reads the cache; for "autotune" it may measure).
+    tune winner for a set of GPUs, or None (reads the cache; for "autotune" it may measure). `mig`: the MIG
+    instances CUDA_VISIBLE_DEVICES names (`devices.mig_entries`).
     """
 
     topology: Topology
@@ -289,6 +220,7 @@ class Facts:
     no_gpu_cause: str = ""
     nccl_available: Optional[bool] = True
     tune_choice: Optional[Callable[[tuple[int, ...]], Optional[TuneChoice]]] = None
+    mig: tuple[str, ...] = ()
     user_xla_flags: str = ""  # the user's XLA_FLAGS, before tf_nvlink set any
 
 
@@ -307,18 +239,25 @@ def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", 
     topology, warnings = facts.topology, []
     if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
         warnings.append(nvml.warnings_line(topology.warnings))
-    visible = facts.visible
+    visible, no_gpu_reason, mig = facts.visible, None, list(facts.mig)
     if topology.gpus and facts.tf_gpu_count == 0:
         warnings.append(f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none ({facts.no_gpu_cause}); "
                         f"falling back to the CPU.")
+        no_gpu_reason = f"NVML sees {len(topology.gpus)} GPU(s) but TensorFlow sees none: {facts.no_gpu_cause}"
         visible = ()
     elif topology.error and not facts.tf_gpu_count:
         warnings.append(topology.error)  # no driver / NVML: the text ends with the CPU fallback
-    plan = make_plan(topology, gpus, cross_device_ops, num_packs, visible=visible, xla_allreduce=xla_allreduce)
+    elif mig and facts.tf_gpu_count and not visible:
+        no_gpu_reason = f"CUDA_VISIBLE_DEVICES names MIG instance(s) {mig}, which no NVML GPU index names; " \
+                        f"gpus='all' mirrors over them"
+    # An explicit GPU request that cannot be honoured raises here (with the reason); "all"/"auto" fall back.
+    plan = make_plan(topology, gpus, cross_device_ops, num_packs, visible=visible, xla_allreduce=xla_allreduce,
+                     no_gpu_reason=no_gpu_reason)
     if len(plan.gpus) > 1 and cross_device_ops in ("auto", "autotune") and num_packs is None and facts.tune_choice:
         choice = facts.tune_choice(plan.gpus)
-        if choice is not None:
-            plan = dataclasses.replace(plan, cross_device_ops=choice[0], num_packs=choice[1], reason=choice[2])
+        if choice is not None:  # a stored hierarchical winner needs the cube-mesh order too
+            plan = dataclasses.replace(plan, cross_device_ops=choice[0], num_packs=choice[1], reason=choice[2],
+                                       gpus=replica_order(topology, plan.gpus, choice[0]))
     if plan.gpus and (plan.cross_device_ops == "nccl" or plan.xla_allreduce == "fused") \
             and facts.nccl_available is False:
         plan, warning = without_nccl(plan)
@@ -329,6 +268,13 @@ def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", 
                         f"mirroring over them with TensorFlow's default all-reduce.")
         plan = dataclasses.replace(plan, cross_device_ops="collective", num_packs=None,
                                    reason="GPUs without NVML: topology unknown, TensorFlow's default all-reduce")
+    elif not plan.gpus and facts.tf_gpu_count and mig:
+        ops = "reduce_to_one" if facts.tf_gpu_count == 1 else "collective"
+        warnings.append(f"CUDA_VISIBLE_DEVICES names MIG instance(s) {mig}: mirroring over TensorFlow's "
+                        f"{facts.tf_gpu_count} MIG device(s) with {ops} and no NVLink plan (a MIG instance has no "
+                        f"NVLink of its own, and no NVML GPU index names it).")
+        plan = dataclasses.replace(plan, cross_device_ops=ops, num_packs=None,
+                                   reason=f"MIG instance(s) {mig}: TensorFlow's MIG device(s), no NVLink plan")
     if ops_instance:
         plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
                                    reason="a CrossDeviceOps instance given by the caller")

@@ -124,7 +124,7 @@ def _facts(topology: Topology, visible: list[int], tf_section: dict, user_xla_fl
     return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
                         no_gpu_cause=tf_section.get("problem") or "see TensorFlow's view above",
                         nccl_available=nccl, tune_choice=lambda gpus: tune_cache.stored_choice(topology, gpus),
-                        user_xla_flags=user_xla_flags)
+                        mig=tuple(devices.mig_entries()), user_xla_flags=user_xla_flags)
 
 
 def _make_plan(facts: policy.Facts, gpus: str) -> dict:

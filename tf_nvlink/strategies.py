@@ -131,6 +131,13 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
+    if topology is not None and not isinstance(topology, Topology):
+        raise ValueError(f"topology should be a tf_nvlink Topology (tf_nvlink.probe() returns one) or None to probe "
+                         f"NVML now. Received: topology={topology!r}")
+    if peer_timeout_s is not None and (isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float))
+                                       or not 0 < peer_timeout_s < float("inf")):
+        raise ValueError(f"peer_timeout_s should be a positive number of seconds, or None for "
+                         f"{rendezvous.DEFAULT_PEER_TIMEOUT_S} s. Received: peer_timeout_s={peer_timeout_s!r}")
     # Checked before anything is built or recorded: a bad value costs nothing.
     asked_knobs = knobs.validate_request(xla_flags, allreduce_dtype, input_buffer)
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
@@ -174,6 +181,8 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
                                 or not all(isinstance(d, str) and d.strip() for d in devices)):
         raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
                          f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
+    if devices:
+        check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
     ops_name = "auto" if ops_instance is not None else cross_device_ops
     instance_name = type(ops_instance).__name__ if ops_instance is not None else ""
     topology = topology if topology is not None else nvml.probe()
@@ -192,7 +201,8 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
         device_names = list(devices)
     elif plan.gpus:
         device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(facts.topology))
-    elif facts.tf_gpu_count and not facts.topology.gpus:  # GPUs NVML does not list: TensorFlow's own names
+    elif facts.tf_gpu_count and (not facts.topology.gpus or facts.mig):
+        # GPUs NVML does not list, or MIG instances (no NVML GPU index names them): TensorFlow's own names
         device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
     else:
         device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -215,6 +225,10 @@ def gather_facts(topology: Topology, autotune: bool = False, user_xla_flags: Opt
     tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
     visible = tuple(devices_lib.visible_nvml_indices(topology))
     cause = _why_tensorflow_sees_no_gpu(visible) if topology.gpus and not tf_gpu_count else ""
+    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
+        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's, TensorFlow's PCI ids say which
+        # GPUs it sees (this initialises them before an autotune, which only a mixed machine pays).
+        visible = tuple(devices_lib.visible_from_tensorflow(devices_lib.tf_gpus(topology)))
 
     def tune_choice(gpus):
         if autotune:
@@ -223,7 +237,36 @@ def gather_facts(topology: Topology, autotune: bool = False, user_xla_flags: Opt
 
     return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
                         nccl_available=nccl_available(), tune_choice=tune_choice,
+                        mig=tuple(devices_lib.mig_entries()),
                         user_xla_flags=os.environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags)
+
+
+def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
+    """Refuse device names this process does not have, and duplicates, before TensorFlow sees them (its soft
+    placement would put "/gpu:9" on CPU:0; a duplicate ends in an AssertionError).
+
+    Example:
+        >>> check_devices(["/gpu:9"], ["/device:CPU:0"])
+        ValueError: devices names '/gpu:9', which this process does not have; ... Received: devices=['/gpu:9']
+    """
+    def key(name: str):
+        spec = tf.DeviceSpec.from_string(name.strip())
+        return ((spec.device_type or "").upper(), spec.device_index or 0)
+
+    available = {key(name): name for name in existing}
+    seen = {}
+    for name in devices:
+        try:
+            wanted = key(name)
+        except ValueError:
+            wanted = None
+        if wanted not in available:
+            raise ValueError(f"devices names {name!r}, which this process does not have; its devices are "
+                             f"{list(existing)}. Received: devices={list(devices)!r}")
+        if wanted in seen:
+            raise ValueError(f"devices names {available[wanted]} twice ({seen[wanted]!r} and {name!r}); each "
+                             f"device holds one replica. Received: devices={list(devices)!r}")
+        seen[wanted] = name
 
 
 def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, environ=None) -> str:

@@ -41,6 +41,7 @@ import time
 from typing import Optional
 
 from tf_nvlink import atomic, models, workers
+from tf_nvlink.text import one_line_error
 
 MODELS = models.BENCH_MODELS  # built by models.build_bench_model
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica
@@ -57,6 +58,48 @@ KNOB_LINES = {"nolhs": ("latency-hiding scheduler on/off", False),
               "bf16grad": ("bfloat16/float32 gradient all-reduce", True),
               "buffer1": ("plan's input buffer/buffer 1", False),
               "ondevice": ("data on the device/host-fed", True)}
+# Candidates that need GPUs: NCCL has no CPU kernels, HierarchicalCopyAllReduce falls back to reduce-to-one on CPU
+# devices, fused XLA all-reduce is GPU-only, NCCL_P2P_DISABLE means nothing without GPUs.
+GPU_ONLY = ("nccl", "hierarchical")
+GPU_ONLY_SUFFIXES = ("nop2p", "fused")
+CPU_FALLBACK_DEVICES = 2
+
+
+def cpu_candidates(candidates: list[str]) -> tuple[list[str], list[str]]:
+    """(what makes sense on CPU devices, what was left out because it needs GPUs).
+
+    Example:
+        >>> cpu_candidates(["1gpu", "stock", "auto", "nccl", "auto@nop2p", "auto@bf16grad@fused"])
+        (['1gpu', 'stock', 'auto'], ['nccl', 'auto@nop2p', 'auto@bf16grad@fused'])
+    """
+    kept, dropped = [], []
+    for candidate in candidates:
+        name, *suffixes = candidate.split("@")
+        (dropped if name in GPU_ONLY or set(suffixes) & set(GPU_ONLY_SUFFIXES) else kept).append(candidate)
+    return kept, dropped
+
+
+def error_line(error: str, limit: int = 150) -> str:
+    """One line of a worker's error for a table: the exception line, never the traceback's frames
+    (`text.one_line_error`).
+
+    Example:
+        >>> error_line('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad')
+        'ValueError: bad'
+    """
+    return one_line_error(error, limit=limit, empty="(no message)")
+
+
+def gpu_absence() -> Optional[str]:
+    """Why this machine has no GPU to benchmark (NVML, no TensorFlow), or None when NVML lists a visible one."""
+    from tf_nvlink import devices, nvml  # noqa: PLC0415
+
+    topology = nvml.probe()
+    if not topology.gpus:
+        return topology.error or "NVML lists no GPU"
+    if not devices.visible_nvml_indices(topology):
+        return f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides every GPU"
+    return None
 
 
 def parse_candidates(text: str) -> list[str]:
@@ -113,7 +156,8 @@ def run_candidates(model_name: str, candidates: list[str], batch_per_replica: Op
             runs[candidate].append(record)
             where = f" (round {round_index + 1}/{rounds})" if rounds > 1 else ""
             print(f"  {candidate}{where}: " + (f"{record['examples_per_s']:.0f} examples/s" if "error" not in record
-                                               else "FAILED: " + record["error"]), file=sys.stderr, flush=True)
+                                               else "FAILED: " + error_line(record["error"])), file=sys.stderr,
+                  flush=True)
     return [combine_rounds(runs[candidate]) for candidate in candidates]
 
 
@@ -228,7 +272,7 @@ def render_table(results: list[dict]) -> str:
     lines = [header, units]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['candidate']:<26}  FAILED: {r['error'][:150]}")
+            lines.append(f"{r['candidate']:<26}  FAILED: {error_line(r['error'])}")
             continue
         one = ones.get(r.get("input", "host"))
         vs_one = _throughput(r) / _throughput(one) if one else None

@@ -40,8 +40,8 @@ from tf_nvlink import bench, policy
 from tf_nvlink.argtypes import argtype, command_line, usage_error
 # The cache's names stay reachable here (`tune.store`, `tune.lookup`, ...): tune is what users import.
 from tf_nvlink.tune_cache import (CACHE_FILE, FORMAT_VERSION, MAX_CACHE_BYTES, CacheError, cache_dir,  # noqa: F401
-                                  cache_path, entries, gpus_key, lookup, make_key, store, stored_choice,
-                                  validate_record)
+                                  cache_path, cache_unusable_reason, entries, gpus_key, lookup, make_key, store,
+                                  stored_choice, validate_record)
 from tf_nvlink.text import strict_loads  # noqa: F401
 
 log = logging.getLogger("tf_nvlink")
@@ -233,16 +233,38 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         sys.stdout.write(_render_entries(cache_path()))
         return 0
+    store_error = None
     try:
         env = bench.parse_env(args.env)
+        if args.store:
+            problem = cache_unusable_reason(cache_path())
+            if problem:  # now, not after minutes of measuring
+                raise bench.BenchError(f"the autotune cache {cache_path()} cannot be written: {problem}. Set "
+                                       f"TF_NVLINK_CACHE_DIR to a writable folder, or pass --nostore.")
         result = tune(gpus=args.gpus, sizes=args.sizes, grad_bytes=args.grad_bytes, candidates=args.candidates,
                       devices=args.devices, iters=args.iters, warmup=args.warmup, repeats=args.repeats, env=env,
-                      store_result=args.store, timeout=args.timeout)
+                      store_result=False, timeout=args.timeout)
+        if args.store:
+            try:
+                store(result.record, cache_path())
+                result.cache_path = cache_path()
+            except (OSError, CacheError) as exc:  # the folder changed while measuring: keep the measurement
+                store_error = (f"tf-nvlink tune: error: could not store the winner in {cache_path()} "
+                               f"({getattr(exc, 'strerror', None) or exc}); the results are printed above.")
     except bench.BenchError as exc:
         return usage_error(args, str(exc))
     except RuntimeError as exc:
         print(f"tf-nvlink tune: {exc}", file=sys.stderr)
         return 1
+    code = _print_result(args, result, env)
+    if store_error:
+        print(store_error, file=sys.stderr)
+        return 1
+    return code
+
+
+def _print_result(args: argparse.Namespace, result: TuneResult, env: dict) -> int:
+    """The result as JSON (--json) or as the table, the winner and where it is stored; 1 on wrong sums."""
     if args.json:
         print(json.dumps({"winner": result.winner, "cross_device_ops": result.cross_device_ops,
                           "num_packs": result.num_packs, "score": result.score, "metric": METRIC,
@@ -264,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         lines += [f"# stored under {result.key}",
                   f"#   in {result.cache_path}",
                   "#   tf_nvlink uses it for this topology fingerprint, TensorFlow version and GPU set"]
+    elif args.store:
+        lines.append(f"# not stored: the cache {cache_path()} could not be written (the error follows)")
     else:
         lines.append(f"# not stored (--nostore); the cache is {cache_path()}")
     sys.stdout.write(text + "#\n" + "\n".join(lines) + "\n")

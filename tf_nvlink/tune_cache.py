@@ -25,11 +25,12 @@ import math
 import os
 import re
 import sys
+from stat import S_ISREG
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from tf_nvlink import policy
+from tf_nvlink import atomic, policy
 from tf_nvlink.atomic import write_atomic
-from tf_nvlink.bench.specs import format_size
+from tf_nvlink.bench.specs import MAX_PACKS, MAX_SIZE, format_size
 from tf_nvlink.text import strict_loads
 
 try:
@@ -43,6 +44,9 @@ CACHE_FILE = "autotune.json"
 FORMAT_VERSION = 1
 MAX_CACHE_BYTES = 4 * 2**20
 GpuSet = Union[Sequence[int], str]  # NVML indices, or "cpu:N" for logical CPU devices
+# Ranges a hand-edited cache entry must stay within (beyond them it cannot be a measurement of this library's).
+MAX_REPLICAS = 1024  # GPUs (or logical CPU devices) in one process
+MAX_SCORE_GBPS = 1e6  # busbw; NVLink 5 is 900 GB/s per direction
 
 
 class CacheError(ValueError):
@@ -50,12 +54,15 @@ class CacheError(ValueError):
 
 
 def cache_dir() -> str:
-    """$TF_NVLINK_CACHE_DIR, else $XDG_CACHE_HOME/tf_nvlink, else ~/.cache/tf_nvlink."""
+    """$TF_NVLINK_CACHE_DIR, else $XDG_CACHE_HOME/tf_nvlink (when absolute, as the XDG spec requires), else
+    ~/.cache/tf_nvlink."""
     explicit = os.environ.get("TF_NVLINK_CACHE_DIR")
     if explicit:
         return os.path.abspath(os.path.expanduser(explicit))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(os.path.abspath(base), "tf_nvlink")
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    if not os.path.isabs(base):  # the XDG spec: a relative path is invalid and must be ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tf_nvlink")
 
 
 def cache_path() -> str:
@@ -106,15 +113,17 @@ def validate_record(record: Any) -> dict:
     checks = {
         "fingerprint": lambda v: isinstance(v, str) and bool(v),
         "tf_version": lambda v: isinstance(v, str) and bool(v),
-        "gpus": lambda v: (isinstance(v, str) and bool(re.fullmatch(r"cpu:[1-9]\d*", v))) or (
-            isinstance(v, list) and bool(v) and all(_is_int(i) for i in v) and len(set(v)) == len(v)),
+        "gpus": lambda v: (isinstance(v, str) and bool(re.fullmatch(r"cpu:[1-9]\d{0,3}", v))) or (
+            isinstance(v, list) and 0 < len(v) <= MAX_REPLICAS and all(_is_int(i) and i < MAX_REPLICAS for i in v)
+            and len(set(v)) == len(v)),
         "candidate": lambda v: isinstance(v, str) and bool(v),
         "cross_device_ops": lambda v: v in policy.OPS,
-        "num_packs": lambda v: v is None or _is_int(v),
-        "score": _is_number,
-        "sizes": lambda v: isinstance(v, list) and bool(v) and all(_is_int(s, 1) for s in v),
-        "scores": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_number(x) for k, x in v.items()),
-        "n_replicas": lambda v: _is_int(v, 1),
+        "num_packs": lambda v: v is None or (_is_int(v) and v <= MAX_PACKS),
+        "score": lambda v: _is_number(v) and v <= MAX_SCORE_GBPS,
+        "sizes": lambda v: isinstance(v, list) and bool(v) and all(_is_int(s, 1) and s <= MAX_SIZE for s in v),
+        "scores": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_number(x) and x <= MAX_SCORE_GBPS
+                                                        for k, x in v.items()),
+        "n_replicas": lambda v: _is_int(v, 1) and v <= MAX_REPLICAS,
         "measured_at": lambda v: isinstance(v, str),
     }
     for field, ok in checks.items():
@@ -141,14 +150,24 @@ def _warn_once(path: str, stat: Optional[os.stat_result], message: str) -> None:
 def _read_entries(path: str) -> dict[str, dict]:
     """The valid entries of the cache at `path` ({} when missing; corrupt content is ignored with one warning)."""
     try:
-        with open(path, "rb") as handle:
-            stat = os.fstat(handle.fileno())
-            raw = handle.read(MAX_CACHE_BYTES + 1)
+        # O_NONBLOCK: opening a FIFO planted at the cache path must not wait for a writer (checked just below).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return {}
     except OSError as exc:
         _warn_once(path, None, f"cannot read the autotune cache {path} ({exc}); ignoring it")
         return {}
+    with os.fdopen(fd, "rb") as handle:
+        stat = os.fstat(fd)
+        if not S_ISREG(stat.st_mode):
+            _warn_once(path, stat, f"ignoring the autotune cache {path}: it is not a regular file (a FIFO, device or "
+                                   f"folder); the next `tf-nvlink tune` replaces it")
+            return {}
+        try:
+            raw = handle.read(MAX_CACHE_BYTES + 1)
+        except OSError as exc:
+            _warn_once(path, stat, f"cannot read the autotune cache {path} ({exc}); ignoring it")
+            return {}
     what = f"the autotune cache {path}"
     try:
         if len(raw) > MAX_CACHE_BYTES:
@@ -195,13 +214,36 @@ def _locked(path: str) -> Iterator[None]:
     except ImportError:  # pragma: no cover - Windows: atomic replace still prevents torn files
         yield
         return
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # O_NOFOLLOW: a (dangling) symlink planted as the lock file must not create a file elsewhere
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as exc:
+        raise CacheError(f"cannot open the autotune cache lock {path}.lock ({exc.strerror}); it should be a regular "
+                         f"file (not a symbolic link): remove it, or set TF_NVLINK_CACHE_DIR to another folder") \
+            from None
+    if not S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheError(f"the autotune cache lock {path}.lock is not a regular file: remove it, or set "
+                         f"TF_NVLINK_CACHE_DIR to another folder")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def cache_unusable_reason(path: str) -> Optional[str]:
+    """Why the cache at `path` could not be stored (its folder cannot be made or written); None when it can.
+
+    Example:
+        >>> cache_unusable_reason("/etc/passwd/autotune.json")
+        '/etc/passwd: Not a directory'
+    """
+    try:
+        _ensure_dir(os.path.dirname(path))
+    except OSError as exc:
+        return f"{exc.filename or os.path.dirname(path)}: {exc.strerror or exc}"
+    return atomic.unwritable_reason(path)
 
 
 def _write_atomic(path: str, data: dict) -> None:

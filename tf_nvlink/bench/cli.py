@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 
 from tf_nvlink import atomic
 from tf_nvlink.argtypes import argtype, command_line, non_negative, positive, usage_error
-from tf_nvlink.bench.render import (check_plot_available, exit_code, plot, render_p2p_ratio, render_summary,
-                                    render_text, result_line)
+from tf_nvlink.bench.render import (check_plot_available, exit_code, plot, record_problem, render_p2p_ratio,
+                                    render_summary, render_text, result_line)
 from tf_nvlink.bench.runner import measure, skipped_records
 from tf_nvlink.bench.specs import (DEFAULT_CANDIDATES, DEFAULT_SIZES, P2P_ENV, P2P_VARIANT, BenchError,
                                    format_size, parse_candidates, parse_env, parse_size, parse_sizes, plan_runs,
@@ -79,6 +79,11 @@ def load_records(path: str) -> list[dict]:
                                                 for r in records):
         raise BenchError(f"--from_json {path!r} is not a list of tf-nvlink bench records (each with "
                          f"{', '.join(needed)}): write one with tf-nvlink bench --json FILE")
+    for number, record in enumerate(records):
+        problem = record_problem(record)
+        if problem:
+            raise BenchError(f"--from_json {path!r}: record {number} (label {record.get('label')!r}) {problem}; "
+                             f"write the file again with tf-nvlink bench --json FILE")
     return [r for r in records if r["status"] != "skipped"]
 
 
@@ -117,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError("--compare_p2p sets NCCL_P2P_DISABLE itself; drop it from --env.")
         if args.plot:
             check_plot_available()
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            problem = atomic.unwritable_reason(path) if path and path != "-" else None
+            if problem:  # now, not after minutes of measuring
+                raise BenchError(f"{flag} {path!r} cannot be written: {problem}.")
         target = resolve_target(args.devices, args.gpus)
     except BenchError as exc:
         return usage_error(args, str(exc))
@@ -138,11 +147,22 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_text(command, target, records, skipped, args.iters, args.warmup, args.repeats, env,
                                      args.compare_p2p))
         if args.json:
-            atomic.write_atomic(args.json, json.dumps(records + skipped_records(skipped, target), indent=1,
-                                                    allow_nan=False), mode=None)
-            print(f"# JSON records written to {args.json}")
+            text = json.dumps(records + skipped_records(skipped, target), indent=1, allow_nan=False)
+            try:
+                atomic.write_atomic(args.json, text, mode=None)
+                print(f"# JSON records written to {args.json}")
+            except OSError as exc:  # the folder changed while measuring: keep the measurement, say why
+                print(text)
+                print(f"tf-nvlink bench: error: could not write --json {args.json!r} ({exc.strerror or exc}); the "
+                      f"records are printed above instead.", file=sys.stderr)
+                return 1
     if args.plot:
-        plot(records, args.plot, title=f"all-reduce busbw, {target.describe().split(';')[0]}")
+        try:
+            plot(records, args.plot, title=f"all-reduce busbw, {target.describe().split(';')[0]}")
+        except OSError as exc:
+            print(f"tf-nvlink bench: error: could not write --plot {args.plot!r} ({exc.strerror or exc}); the "
+                  f"results are printed above.", file=sys.stderr)
+            return 1
         if args.json != "-":
             print(f"# plot written to {args.plot}")
     return exit_code(records)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from tf_nvlink import atomic, policy
 from tf_nvlink.bench.specs import MAX_LOCAL_SHARE, P2P_VARIANT, XLA_DOC, BenchError, Target, format_size
@@ -212,3 +213,30 @@ def plot(records: Sequence[dict], path: str, title: str = "") -> None:
         figure.savefig(partial, dpi=120)
     plt.close(figure)
 
+
+
+def record_problem(record: dict) -> Optional[str]:
+    """What is wrong with one bench record's fields for the summary and plot (None when nothing is).
+
+    Example:
+        >>> record_problem({"label": "nccl:1", ..., "status": "ok", "size_bytes": "16M", ...})
+        "has size_bytes='16M', expected a positive integer of bytes"
+    """
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    def integer(v, minimum):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+    checks = [("label", lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+              ("candidate", lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+              ("variant", lambda v: isinstance(v, str), "a string"),
+              ("status", lambda v: v in ("ok", "wrong", "failed", "skipped"), "ok, wrong, failed or skipped")]
+    if record.get("status") in ("ok", "wrong"):
+        checks += [("size_bytes", lambda v: integer(v, 1), "a positive integer of bytes"),
+                   ("busbw", number, "a finite non-negative number (GB/s)"),
+                   ("wrong", lambda v: integer(v, 0), "a non-negative integer")]
+    for field, ok, expected in checks:
+        if not ok(record[field]):
+            return f"has {field}={record[field]!r}, expected {expected}"
+    return None

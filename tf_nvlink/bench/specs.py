@@ -25,6 +25,7 @@ XLA_DOC = ("CollectiveAllReduce compiled into one XLA program per replica (repli
            "what jit_compile=True models all-reduce with in tf_nvlink's fused mode)")
 DTYPE_BYTES = 4  # float32
 MAX_PACKS = 64
+MAX_SIZE = 16 * 2**30  # the largest all-reduce size accepted: 16 GiB (1G = 4 GiB buffers are already rare)
 # The local-work correction may remove at most this share of the chained time (so it at most doubles algbw): at
 # tiny sizes per-op overhead dominates both chains and their difference is noise.
 MAX_LOCAL_SHARE = 0.5
@@ -55,6 +56,9 @@ def parse_size(text: str) -> int:
     if value <= 0 or value % DTYPE_BYTES:
         raise BenchError(f"sizes are bytes of float32 data and should be positive multiples of {DTYPE_BYTES}. "
                          f"Received: {text!r} ({value} bytes)")
+    if value > MAX_SIZE:
+        raise BenchError(f"sizes should be at most {MAX_SIZE // GIB}G (each GPU holds several buffers of that "
+                         f"size). Received: {text!r} ({value} bytes)")
     return value
 
 
