@@ -722,6 +722,12 @@ SUBPROCESS_CALLS = {"subprocess.run", "subprocess.Popen", "subprocess.call", "su
 WRITE_METHODS = {"save", "save_weights", "savefig", "write_text", "write_bytes", "tofile"}
 WRITE_FUNCTIONS = {"json.dump", "np.save", "np.savez", "np.savez_compressed", "numpy.save", "pickle.dump",
                    "shutil.copy", "shutil.copyfile", "shutil.copy2"}
+# Saves that are atomic by TensorFlow's own design: tf.train.CheckpointManager.save writes the shards under
+# "<prefix>_temp/" and merges them into place (MergeV2Checkpoints), then rewrites the "checkpoint" state file with
+# file_io.atomic_write_string_to_file; a kill leaves latest_checkpoint at the previous complete checkpoint.
+ATOMIC_BY_TENSORFLOW = {("examples/custom_loop.py", "manager.save")}
+
+
 def _name(node):
     if isinstance(node, ast.Name):
         return node.id
@@ -770,7 +776,8 @@ class _Audit(ast.NodeVisitor):
                 kind = "open"
         elif name in WRITE_FUNCTIONS:
             kind = name
-        elif isinstance(node.func, ast.Attribute) and node.func.attr in WRITE_METHODS:
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in WRITE_METHODS \
+                and (self.relative, name) not in ATOMIC_BY_TENSORFLOW:
             kind = node.func.attr
         atomic_helper = self.relative == "tf_nvlink/atomic.py" and self.function in ("write_atomic", "atomic_path")
         if kind and not self.atomic_depth and not atomic_helper:
