@@ -258,6 +258,9 @@ def main():
     setups = [("1gpu", one, host_dataset(per_gpu), per_gpu, [])]
     if "host" in variants:
         setups.append(("auto/host", multi, multi_host, global_batch, []))
+    if "buffer1" in variants:  # TensorFlow's default depth, instead of the plan's input_buffer
+        setups.append(("auto/buffer1", multi, strategy.experimental_distribute_dataset(
+            multi_host, tf.distribute.InputOptions(experimental_per_replica_buffer_size=1)), global_batch, []))
     if "buffer4" in variants:
         setups.append(("auto/buffer4", multi, strategy.experimental_distribute_dataset(
             multi_host, tf.distribute.InputOptions(experimental_per_replica_buffer_size=4)), global_batch, []))
