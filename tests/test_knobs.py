@@ -60,7 +60,7 @@ def test_bad_xla_flags_are_refused_naming_the_valid_choices(bad):
 def test_allreduce_dtype_and_input_buffer():
     plan = knobs.choose_knobs(plan_for("h200_x2"), allreduce_dtype="bfloat16")
     assert plan.allreduce_dtype == "bfloat16" and "gradients all-reduced in bfloat16" in plan.summary()
-    assert plan.input_buffer == knobs.GPU_INPUT_BUFFER == 2 and "2 batches deep" in plan.summary()
+    assert plan.input_buffer == knobs.GPU_INPUT_BUFFER == 1 and "1 batch deep" in plan.summary()
     assert knobs.choose_knobs(plan_for("no_driver")).input_buffer == 0  # CPU: TensorFlow's own options
     assert knobs.choose_knobs(plan_for("h200_x2"), input_buffer=1).input_buffer == 1
     with pytest.raises(ValueError, match="allreduce_dtype should be one of \\['float32', 'bfloat16'\\]"):
@@ -78,7 +78,7 @@ def test_decide_chooses_the_knobs_for_the_final_plan():
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
     plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_knobs=("auto", "bfloat16", None))
     assert (plan.xla_allreduce, plan.xla_flags, plan.allreduce_dtype, plan.input_buffer) == \
-        ("fused", (LHS,), "bfloat16", 2)
+        ("fused", (LHS,), "bfloat16", 1)
     user = "--xla_gpu_enable_latency_hiding_scheduler=false"
     plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2, user_xla_flags=user))
     assert plan.xla_flags == () and plan.xla_flags_kept == (user,) and plan.allreduce_dtype == "float32"
@@ -258,10 +258,10 @@ def test_report_shows_the_knobs_and_the_users_xla_flags():
 
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
     data = report.collect(topology=topo, with_tf=False, environ={})
-    assert data["plan"]["xla_flags"] == [LHS] and data["plan"]["input_buffer"] == 2
+    assert data["plan"]["xla_flags"] == [LHS] and data["plan"]["input_buffer"] == 1
     knobs = next(line for line in report.render_text(data).splitlines() if line.startswith("  knobs"))
-    assert knobs == (f"  knobs      XLA_FLAGS += {LHS}; gradients all-reduced in float32; input prefetched 2 "
-                     f"batches deep per GPU")
+    assert knobs == (f"  knobs      XLA_FLAGS += {LHS}; gradients all-reduced in float32; input prefetched 1 "
+                     f"batch deep per GPU")
     user = "--xla_gpu_enable_latency_hiding_scheduler=false"
     data = report.collect(topology=topo, with_tf=False, environ={"XLA_FLAGS": user})
     assert data["plan"]["xla_flags"] == [] and data["plan"]["xla_flags_kept"] == [user]

@@ -307,4 +307,4 @@ def test_report_and_auto_plan_show_a_stored_winner():
     assert warnings == []
     single, _ = policy.decide(facts, gpus="0")  # one GPU: no winner applies; only the step knobs are added
     assert single == knobs.choose_knobs(policy.make_plan(topo, gpus="0"))
-    assert (single.cross_device_ops, single.input_buffer) == (policy.make_plan(topo, gpus="0").cross_device_ops, 2)
+    assert (single.cross_device_ops, single.input_buffer) == (policy.make_plan(topo, gpus="0").cross_device_ops, 1)
