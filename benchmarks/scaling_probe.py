@@ -205,8 +205,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="host,device",
-                        help="of auto: host, buffer4, device, nosync (BatchNorm statistics not averaged across "
-                             "replicas), monitor (NVLinkMonitor reading every batch)")
+                        help="of auto: host, buffer1, buffer4, device, nosync (BatchNorm statistics not averaged across "
+                             "replicas), monitor (NVLinkMonitor reading every batch), async (1gpu and auto with "
+                             "Keras' async batch-end callbacks), spe8 (1gpu with steps_per_execution=8)")
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "transformer", "tiny"))
     parser.add_argument("--allreduce_dtype", default="float32", choices=("float32", "bfloat16"))
@@ -274,6 +275,13 @@ def main():
             on_device, tf.distribute.InputOptions(experimental_fetch_to_device=True)), global_batch, []))
     if unsynced is not None:
         setups.append(("auto/nosync", unsynced, multi_host, global_batch, []))
+    if "async" in variants:  # Keras' async batch-end callbacks (its JAX/torch default), off for TF in Keras
+        setups.insert(1, ("1gpu/async", one, host_dataset(per_gpu), per_gpu, []))
+        setups.append(("auto/async", multi, multi_host, global_batch, []))
+    if "spe8" in variants:  # one GPU with steps_per_execution=8: a sync every 8 steps instead of every step
+        with tf.device(plan.devices[0] if plan.devices else "/cpu:0"):
+            one8 = build_model(keras, args.model, args.image, 8)
+        setups.insert(1, ("1gpu/spe8", one8, host_dataset(per_gpu), per_gpu, []))
     if "monitor" in variants:
         setups.append(("auto/monitor", multi, multi_host, global_batch,
                        [tf_nvlink.NVLinkMonitor(every_n_batches=1)]))
@@ -282,18 +290,31 @@ def main():
     times = collections.defaultdict(list)
     nvlink = collections.defaultdict(list)
     monitored = collections.defaultdict(list)
+    import keras.src.backend as keras_backend
+
+    thread_safe = keras_backend.IS_THREAD_SAFE
+
+    def fit(name, model, ds, steps, callbacks=()):
+        # Keras reads IS_THREAD_SAFE when fit builds its CallbackList: True lets batch-end callbacks (and the
+        # float() of the logs that syncs with the GPU) run in a thread while the next step is dispatched.
+        keras_backend.IS_THREAD_SAFE = thread_safe or name.endswith("/async")
+        try:
+            return model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=list(callbacks))
+        finally:
+            keras_backend.IS_THREAD_SAFE = thread_safe
+
     for name, model, ds, _, callbacks in setups:  # compile and warm up every setup first
         started = time.perf_counter()
         if model is unsynced:  # read when Keras builds the train function, i.e. now
             os.environ["TF_NVLINK_SYNC_NON_TRAINABLE"] = "0"
-        model.fit(ds, steps_per_epoch=args.warmup, epochs=1, verbose=0)
+        fit(name, model, ds, args.warmup)
         os.environ.pop("TF_NVLINK_SYNC_NON_TRAINABLE", None)
         print(f"warm-up {name}: {time.perf_counter() - started:.1f} s", flush=True)
     for r in range(args.rounds):
         for name, model, ds, size, callbacks in setups:
             before = nvlink_kib(gpus) if len(gpus) > 1 else None
             started = time.perf_counter()
-            history = model.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=list(callbacks))
+            history = fit(name, model, ds, args.steps, callbacks)
             seconds = time.perf_counter() - started
             after = nvlink_kib(gpus) if len(gpus) > 1 else None
             times[name].append(size * per_example * args.steps / seconds)
@@ -311,7 +332,7 @@ def main():
     for name, _, _, size, _ in setups:
         med = statistics.median(times[name])
         spread = (max(times[name]) - min(times[name])) / med
-        replicas = 1 if name == "1gpu" else n
+        replicas = 1 if name.startswith("1gpu") else n
         tx = ""
         if nvlink[name]:
             tx_mib = [statistics.median([s[g][0] for s in nvlink[name]]) / 2**20 for g in gpus]
