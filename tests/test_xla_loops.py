@@ -8,6 +8,7 @@ own process: one strategy per process.
 """
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -155,8 +156,6 @@ def test_loss_scale_optimizer_skips_overflowing_steps_on_every_replica(mode):
     _assert_matches_single_device(multi, single, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="the ValueError is not raised in this script (measured 01:04 UTC): "
-                   "_in_xla_context() apparently not true where run() is traced; not debugged yet")
 def test_jit_compile_around_strategy_run_names_the_supported_shape():
     proc = _run_script(r"""
 import tensorflow as tf
@@ -173,8 +172,9 @@ train(tf.constant(2.0))
 """, timeout=300)
     assert proc.returncode != 0
     assert "ValueError: strategy.run() was called inside a tf.function(jit_compile=True)" in proc.stderr
-    assert "@tf.function(jit_compile=True)\n    def step" in proc.stderr
-    assert "Trying to access resource" not in proc.stderr
+    assert re.search(r"@tf.function\(jit_compile=True\)\n\s+def step", proc.stderr), proc.stderr[-3000:]
+    assert "located in device" not in proc.stderr  # TensorFlow's own "Trying to access resource ... replica_1"
+    assert "ag__.ld(ValueError)" not in proc.stderr  # the check runs as Python, not through AutoGraph
 
 
 def test_synchronized_batch_norm_in_split_mode_is_refused_clearly():

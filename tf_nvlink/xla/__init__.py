@@ -155,6 +155,7 @@ class PerReplicaXlaStrategyMixin:
     def _custom_loop_mode(self) -> str:
         return "fused" if private.fused_allreduce_possible(self) and self.xla_allreduce == "fused" else "split"
 
+    @tf.autograph.experimental.do_not_convert  # plain Python checks; AutoGraph would garble the error's source
     def run(self, fn, args=(), kwargs=None, options=None):
         if self.num_replicas_in_sync > 1 and _in_xla_context():
             if _STATE.problem:
