@@ -206,7 +206,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="host,device",
                         help="of auto: host, buffer1, buffer4, device, nosync (BatchNorm statistics not averaged across "
-                             "replicas), monitor (NVLinkMonitor reading every batch), async (1gpu and auto with "
+                             "replicas), monitor (NVLinkMonitor, default), monitor1 (NVLinkMonitor reading every "
+                             "batch in its thread), async (1gpu and auto with "
                              "Keras' async batch-end callbacks), spe8 (1gpu with steps_per_execution=8)")
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "transformer", "tiny"))
@@ -282,8 +283,10 @@ def main():
         with tf.device(plan.devices[0] if plan.devices else "/cpu:0"):
             one8 = build_model(keras, args.model, args.image, 8)
         setups.insert(1, ("1gpu/spe8", one8, host_dataset(per_gpu), per_gpu, []))
-    if "monitor" in variants:
-        setups.append(("auto/monitor", multi, multi_host, global_batch,
+    if "monitor" in variants:  # the default: reads when training begins and at each epoch end
+        setups.append(("auto/monitor", multi, multi_host, global_batch, [tf_nvlink.NVLinkMonitor()]))
+    if "monitor1" in variants:  # plus a background read every batch
+        setups.append(("auto/monitor1", multi, multi_host, global_batch,
                        [tf_nvlink.NVLinkMonitor(every_n_batches=1)]))
 
     gpus = list(plan.gpus)
@@ -323,6 +326,11 @@ def main():
                                          (after[g][1] - before[g][1]) * 1024 / args.steps) for g in gpus})
             if "nvlink_bytes_per_step" in history.history:
                 monitored[name].append(history.history["nvlink_bytes_per_step"][-1])
+                mon = callbacks[0]
+                print(f"  NVLinkMonitor: {len(mon.read_seconds)} reads in the training thread, "
+                      f"{1000 * sum(mon.read_seconds):.1f} ms in all; {len(mon.background_read_seconds)} background "
+                      f"reads (median {1000 * statistics.median(mon.background_read_seconds or [0]):.1f} ms), "
+                      f"{mon.skipped_reads} skipped", flush=True)
             print(f"round {r + 1} {name}: {times[name][-1]:.0f} {unit}/s", flush=True)
 
     one_median = statistics.median(times["1gpu"])

@@ -99,6 +99,54 @@ def test_an_unsupported_field_is_left_out_and_raw_counters_stand_in_for_data():
     assert traffic[1].source == "data" and traffic[1].rx_bytes == 16 * 1024 * 1024
 
 
+def test_payload_only_reads_half_the_values_and_keeps_raw_where_data_is_missing():
+    """NVLinkMonitor asks only for DATA TX/RX (36 values per H200, not 72): each read costs NVML less."""
+    machine = fake_nvml.h200_x2()
+    machine.gpus[1].traffic_fields = (140, 141)  # RAW only on GPU 1
+    with nvml.NvLinkCounterReader([0, 1], FakeNvml(machine), payload_only=True) as reader:
+        before = reader.read()
+        fake_nvml.transfer(machine, 0, 1, 16 * 1024 * 1024)
+        after = reader.read()
+    assert len(before[0].values) == 2 * 18 and {v.field for v in before[0].values} == {"data_tx", "data_rx"}
+    assert {v.field for v in before[1].values} == {"raw_tx", "raw_rx"}  # its only counters, still read
+    traffic = nvlink_traffic.traffic_delta(before, after)
+    assert traffic[0].tx_bytes == 16 * 1024 * 1024 and traffic[1].source == "raw"
+
+
+def test_batch_reads_run_in_a_background_thread_and_a_busy_sampler_skips():
+    """every_n_batches reads never block the training thread: `request` returns at once, a request made while one
+    is still queued is skipped (counted), and `drain` hands the samples back oldest first."""
+    import threading
+
+    machine = fake_nvml.h200_x2()
+    release = threading.Event()
+    with nvml.NvLinkCounterReader([0, 1], FakeNvml(machine)) as reader:
+        start = reader.read()
+        real_read = reader.read
+
+        def slow_read():
+            release.wait(10)
+            return real_read()
+
+        reader.read = slow_read
+        sampler = monitor._BatchSampler(reader, start)
+        sampler.request(0, 2, 2)  # taken by the thread, which now waits in slow_read
+        for _ in range(200):
+            if sampler._requests.empty():
+                break
+            threading.Event().wait(0.01)
+        sampler.request(0, 4, 4)  # queued
+        sampler.request(0, 6, 6)  # the queue is full: skipped
+        assert sampler.skipped == 1
+        fake_nvml.transfer(machine, 0, 1, 2**20)
+        release.set()
+        samples = sampler.drain()
+        sampler.close()
+    assert [(e, b, s) for e, b, s, _ in samples] == [(0, 2, 2), (0, 4, 4)]
+    assert samples[0][3][0].tx_bytes == 2**20 and samples[1][3][0].tx_bytes == 0
+    assert len(sampler.read_seconds) == 2 and not sampler._thread.is_alive()
+
+
 def test_a_failed_read_drops_that_gpu_from_the_delta():
     machine = fake_nvml.h200_x2()
     fake = FakeNvml(machine)
@@ -286,6 +334,7 @@ def fit(machine, gpus=None, nvlink=True, tensorboard=None, epochs=2):
     return {"keys": sorted(history.history), "history": {k: v for k, v in history.history.items() if "nvlink" in k},
             "lines": list(lines), "expected": mon.expected_bytes_per_step, "unavailable": mon.unavailable,
             "steps": [e.steps for e in mon.history], "reads": len(mon.read_seconds),
+            "background_reads": len(mon.background_read_seconds), "skipped": mon.skipped_reads,
             "batch_gbps": [[e, b, sorted(g)] for e, b, g in mon.batch_gbps], "bench": nvlink_traffic.bench_record(mon),
             "overhead": mon.read_overhead()}
 
@@ -318,7 +367,8 @@ def test_fit_logs_nvlink_bytes_per_step_equal_to_the_simulated_allreduce(fits):
         assert abs(measured - expected) <= 1024  # the fake counts whole KiB per transfer
     assert all(gbps > 0 for gbps in run["history"]["nvlink_gbps"])
     assert run["lines"] == []  # close to expected: nothing to say; GPUs 5-6's traffic was ignored
-    assert run["reads"] == 2 * 2 + 2  # epoch begin + end, and batch 2 of each epoch (every_n_batches=2)
+    assert run["reads"] == 1 + 2  # in the training thread: once at train begin, then once per epoch end
+    assert run["background_reads"] == 2 and run["skipped"] == 0  # batch 2 of each epoch (every_n_batches=2)
     assert run["batch_gbps"] == [[0, 2, [0, 1, 2, 3]], [1, 2, [0, 1, 2, 3]]]
     bench = run["bench"]
     assert bench["nvlink_expected_bytes_per_step"] == expected and bench["nvlink_unavailable"] is None

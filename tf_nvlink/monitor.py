@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -39,7 +41,7 @@ class EpochTraffic(NamedTuple):
 
     epoch: int
     steps: int
-    seconds: float  # between the epoch-begin and epoch-end reads
+    seconds: float  # from the previous read (training begin, or the last epoch's end) to this epoch's end
     traffic: dict  # {gpu: GpuTraffic}
     bytes_per_step: float  # mean over GPUs of (TX + RX) / 2 per step
     gbps: float  # mean over GPUs of (TX + RX) / 2 GB/s
@@ -94,6 +96,64 @@ def _tensorboard_log_dir(callback: Any) -> Optional[str]:
     return None
 
 
+class _BatchSampler:
+    """Reads the counters in a background thread when asked, so the training thread never waits on NVML (a read
+    of 2 H200s x 18 links takes tens of ms). A request made while one is still queued is skipped and counted.
+
+    Example:
+        >>> sampler = _BatchSampler(reader, start=reader.read())
+        >>> sampler.request(epoch=0, batch=10, step=10)      # returns at once
+        >>> sampler.drain()                                   # [(0, 10, 10, {gpu: GpuTraffic})] once read
+    """
+
+    def __init__(self, reader: NvLinkCounterReader, start: dict):
+        self._reader, self._last = reader, start
+        self._requests: queue.Queue = queue.Queue(maxsize=1)
+        self._lock = threading.Lock()
+        self._done: list = []
+        self.skipped = 0
+        self.read_seconds: list[float] = []
+        self._thread = threading.Thread(target=self._loop, name="tf_nvlink-NVLinkMonitor", daemon=True)
+        self._thread.start()
+
+    def request(self, epoch: int, batch: int, step: int) -> None:
+        try:
+            self._requests.put_nowait((epoch, batch, step))
+        except queue.Full:
+            self.skipped += 1
+
+    def _loop(self) -> None:
+        while True:
+            item = self._requests.get()
+            try:
+                if item is None:
+                    return
+                started = time.perf_counter()
+                now = self._reader.read()
+                with self._lock:
+                    self.read_seconds.append(time.perf_counter() - started)
+                    self._done.append((*item, traffic_delta(self._last, now)))
+                    self._last = now
+            except Exception as exc:  # noqa: BLE001 - a failed sample must not stop training; said once
+                log.warning("NVLinkMonitor: a per-batch counter read failed: %s", exc)
+            finally:
+                self._requests.task_done()
+
+    def drain(self, restart_from: Optional[dict] = None) -> list:
+        """Waits for a pending read; returns the samples taken since the last drain, oldest first."""
+        self._requests.join()
+        with self._lock:
+            done, self._done = self._done, []
+            if restart_from is not None:
+                self._last = restart_from
+        return done
+
+    def close(self) -> None:
+        self._requests.join()
+        self._requests.put(None)
+        self._thread.join(timeout=10)
+
+
 def _make_callback_class():
     import keras  # noqa: PLC0415 - Keras only when the callback is used
 
@@ -102,7 +162,9 @@ def _make_callback_class():
 
         Each epoch adds `nvlink_gbps` (mean GB/s per GPU and direction) and `nvlink_bytes_per_step` (mean bytes
         per GPU and direction per step) to the epoch logs, so the progress bar and History show them; `history`
-        keeps an `EpochTraffic` per epoch. With a keras.callbacks.TensorBoard in the same callback list (or
+        keeps an `EpochTraffic` per epoch. The training thread reads the counters once when training begins and
+        once per epoch end (each epoch runs from the previous read); `every_n_batches` reads run in a background
+        thread, never in the training thread. With a keras.callbacks.TensorBoard in the same callback list (or
         `log_dir`), per-GPU TX/RX GB/s go to <log_dir>/nvlink. After the first epoch it compares the bytes per
         step with the ring all-reduce of the gradients (gradient bytes x 2(n-1)/n) and says in one line when
         they are far apart. Without usable counters (no NVML, PCIe-only GPUs, MIG, fields not supported, one GPU,
@@ -110,7 +172,8 @@ def _make_callback_class():
 
         Args:
             gpus: NVML indices to watch; default: the strategy's GPUs (tf_nvlink's plan, else by PCI bus id).
-            every_n_batches: also read every N batches: GB/s over those batches in `batch_gbps` and TensorBoard.
+            every_n_batches: also read every N batches (in a background thread): GB/s over those batches in
+                `batch_gbps` and TensorBoard; a read still pending when the next is due is skipped (`skipped_reads`).
             gradient_dtype: the dtype of the all-reduced gradients (default: each trainable variable's own).
             log_dir: where TensorBoard logs go (default: the TensorBoard callback's log_dir, if any).
             nvml: a pynvml stand-in (tests).
@@ -133,16 +196,20 @@ def _make_callback_class():
             self.nvml = nvml
             self.history: list[EpochTraffic] = []
             self.unavailable: Optional[str] = None  # why nothing is measured, once known
-            self.read_seconds: list[float] = []  # each counter read's own time (the monitor's cost)
+            self.read_seconds: list[float] = []  # each read in the training thread (the monitor's cost to training)
+            self.background_read_seconds: list[float] = []  # every_n_batches reads, in the background thread
+            self.skipped_reads = 0
             self.batch_gbps: list = []  # every_n_batches: (epoch, batch, {gpu: (TX GB/s, RX GB/s)}) since the last
             self.expected_bytes_per_step = 0.0
             self._reader: Optional[NvLinkCounterReader] = None
+            self._sampler: Optional[_BatchSampler] = None
             self._writer = None
             self._said_verdict = False
 
         # -- set-up ------------------------------------------------------------------------------------------
         def on_train_begin(self, logs=None):
             self.history, self.read_seconds, self.batch_gbps, self._said_verdict = [], [], [], False
+            self.background_read_seconds, self.skipped_reads = [], 0
             self._epoch = self._batches = self._global_batch = 0
             log_dir = self.log_dir or _tensorboard_log_dir(self)
             why = self._start()
@@ -151,6 +218,9 @@ def _make_callback_class():
                 log.warning("NVLinkMonitor: no NVLink traffic figures: unavailable because %s", why)
                 return
             self.unavailable = None
+            self._last = self._read()  # the first epoch's start; each epoch-end read starts the next epoch
+            if self.every_n_batches:
+                self._sampler = _BatchSampler(self._reader, self._last)
             if log_dir:
                 import tensorflow as tf  # noqa: PLC0415
 
@@ -168,7 +238,7 @@ def _make_callback_class():
                     return why
             if len(gpus) < 2:
                 return f"one GPU ({list(gpus)}): a single replica all-reduces nothing over NVLink"
-            reader = NvLinkCounterReader(gpus, self.nvml).open()
+            reader = NvLinkCounterReader(gpus, self.nvml, payload_only=True).open()
             if reader.error or len(reader.readable) < 2:
                 reader.close()
                 reasons = "; ".join(f"GPU {g}: {w}" for g, w in sorted(reader.unavailable.items()))
@@ -190,7 +260,6 @@ def _make_callback_class():
         # -- per epoch -----------------------------------------------------------------------------------------
         def on_epoch_begin(self, epoch, logs=None):
             if self._reader is not None:
-                self._epoch_start = self._interval_start = self._read()
                 self._global_batch += self._batches
                 self._epoch, self._batches = epoch, 0
 
@@ -198,17 +267,25 @@ def _make_callback_class():
             if self._reader is None:
                 return
             self._batches = batch + 1
-            if self.every_n_batches and batch and batch % self.every_n_batches == 0:
-                now = self._read()
-                traffic = traffic_delta(self._interval_start, now)
-                self.batch_gbps.append((self._epoch, batch, {g: (t.tx_gbps, t.rx_gbps) for g, t in traffic.items()}))
-                self._write(traffic, "nvlink_batch", self._global_batch + batch)
-                self._interval_start = now
+            if self._sampler is not None and batch and batch % self.every_n_batches == 0:
+                self._sampler.request(self._epoch, batch, self._global_batch + batch)
+
+        def _collect_batch_samples(self, restart_from: Optional[dict] = None) -> None:
+            if self._sampler is None:
+                return
+            for epoch, batch, step, traffic in self._sampler.drain(restart_from):
+                self.batch_gbps.append((epoch, batch, {g: (t.tx_gbps, t.rx_gbps) for g, t in traffic.items()}))
+                self._write(traffic, "nvlink_batch", step)
+            self.background_read_seconds = list(self._sampler.read_seconds)
+            self.skipped_reads = self._sampler.skipped
 
         def on_epoch_end(self, epoch, logs=None):
             if self._reader is None:
                 return
-            traffic = traffic_delta(self._epoch_start, self._read())
+            self._collect_batch_samples()
+            end = self._read()
+            traffic, self._last = traffic_delta(self._last, end), end
+            self._collect_batch_samples(restart_from=end)
             if not traffic:
                 return
             steps = int(self.params.get("steps") or self._batches or 1)
@@ -240,6 +317,9 @@ def _make_callback_class():
             self._writer.flush()
 
         def on_train_end(self, logs=None):
+            if self._sampler is not None:
+                self._sampler.close()
+                self._sampler = None
             if self._reader is not None:
                 self._reader.close()
                 self._reader = None
@@ -248,7 +328,7 @@ def _make_callback_class():
                 self._writer = None
 
         def read_overhead(self) -> float:
-            """Seconds spent reading counters during training, as a fraction of the measured epochs' time."""
+            """Seconds the training thread spent reading counters, as a fraction of the measured epochs' time."""
             measured = sum(r.seconds for r in self.history)
             return sum(self.read_seconds) / measured if measured > 0 else 0.0
 

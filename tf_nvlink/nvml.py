@@ -230,8 +230,7 @@ def _read_pair(session: _Session, a: Gpu, b: Gpu, handles: dict[int, Any]) -> Gp
 
 
 # ---- NVLink traffic counters (cumulative KiB per link; tf_nvlink.nvlink_traffic turns them into deltas, rates) ----
-# nvmlDeviceGetFieldValues field ids (nvml.h NVML_FI_DEV_NVLINK_THROUGHPUT_*), the link index as scopeId. DATA
-# counts payload; RAW adds protocol overhead.
+# nvmlDeviceGetFieldValues field ids (nvml.h NVML_FI_DEV_NVLINK_THROUGHPUT_*), link index as scopeId. DATA: payload.
 TRAFFIC_FIELDS = {"data_tx": 138, "data_rx": 139, "raw_tx": 140, "raw_rx": 141}
 _SUCCESS, _MIG_ENABLED = 0, 1  # nvmlReturn_t success; nvmlDeviceGetMigMode's 'enabled'
 # nvmlValueType_t -> (c_nvmlValue_t member, counter width in bits; the counter wraps at 2**bits)
@@ -258,7 +257,7 @@ class GpuCounters(NamedTuple):
     error: Optional[str] = None  # why this read gave no values (the GPU fell off, NVML failed)
 
     def kib(self, field: str) -> int:
-        """The sum over links of one field, in KiB (not wrap-safe: use nvlink_traffic.traffic_delta for differences)."""
+        """The sum over links of one field in KiB (not wrap-safe: nvlink_traffic.traffic_delta for differences)."""
         return sum(v.kib for v in self.values if v.field == field)
 
 
@@ -267,21 +266,19 @@ class NvLinkCounterReader:
     which fields this driver answers), then each `read()` is one nvmlDeviceGetFieldValues call per GPU.
 
     GPUs whose counters cannot be read are in `unavailable` ({gpu: why}), never an exception: no NVML, PCIe-only
-    GPUs, MIG mode, no active link, fields not supported (older drivers and GPUs). `error` says why no GPU at all.
+    GPUs, MIG, no active link, fields not supported (older drivers, GPUs). `error` says why no GPU at all.
 
     Example:
         >>> with NvLinkCounterReader([0, 1]) as reader:
         ...     before = reader.read()            # {0: GpuCounters(...), 1: GpuCounters(...)}
         ...     run_training_steps()
-        ...     after = reader.read()
-        >>> reader.unavailable                    # {} on 2x H200
+        ...     after = reader.read()                # reader.unavailable: {} on 2x H200
     """
 
-    def __init__(self, gpus: Optional[Iterable[int]] = None, nvml: Any = None):
+    def __init__(self, gpus: Optional[Iterable[int]] = None, nvml: Any = None, payload_only: bool = False):
         self.gpus = tuple(int(g) for g in gpus) if gpus is not None else None  # None: every GPU NVML lists
-        self._nvml = nvml
-        self._initialised = False
-        self._handles: dict[int, Any] = {}
+        self._nvml, self.payload_only = nvml, payload_only  # True: no RAW fields where DATA answers (half the values)
+        self._initialised, self._handles = False, {}
         self._requests: dict[int, list[tuple[int, int]]] = {}  # gpu -> [(field id, link), ...]
         self.unavailable: dict[int, str] = {}
         self.error: Optional[str] = None
@@ -350,6 +347,9 @@ class NvLinkCounterReader:
             return f"nvmlDeviceGetFieldValues failed: {exc}"
         failed_fields = {int(a.fieldId) for a in answers if int(a.nvmlReturn) != _SUCCESS}
         fields = [f for f in TRAFFIC_FIELDS.values() if f not in failed_fields]
+        data = [TRAFFIC_FIELDS["data_tx"], TRAFFIC_FIELDS["data_rx"]]
+        if self.payload_only and set(data) <= set(fields):
+            fields = data
         if not fields:
             return NO_THROUGHPUT_FIELDS + _utilization_note(nvml, handle, links[0])
         self._handles[gpu] = handle
