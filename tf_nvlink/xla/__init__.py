@@ -97,15 +97,10 @@ def install_keras_hooks() -> str | None:
                 return _STATE.originals["_make_function"](self, replicas.keep_replicas_in_sync(self, step_function))
             kind = "train" if step_function == self.train_step else "test"
             strategy = self.distribute_strategy
+            step = replicas.keep_replicas_in_sync(self, PerReplicaXlaStep(self, step_function, kind))
             if self.steps_per_execution > 1 and private.fused_allreduce_possible(strategy) \
                     and strategy.xla_allreduce == "fused":
-                raise ValueError(
-                    f"steps_per_execution={self.steps_per_execution} with jit_compile=True is not supported in "
-                    "tf_nvlink's fused XLA mode: TensorFlow's no-merge_call all-reduce (the path XLA takes on GPUs) "
-                    "fails inside Keras' multi-step loop (\"You must feed a value for placeholder tensor ... "
-                    "while/cond\": seen on 2x H200, and with a stock MirroredStrategy on CPU). Compile with "
-                    "steps_per_execution=1, or build the strategy with tf_nvlink.strategy(xla_allreduce='split').")
-            step = replicas.keep_replicas_in_sync(self, PerReplicaXlaStep(self, step_function, kind))
+                return private.unrolled_steps_function(self, step)  # Keras' multi-step loop fails without merge_call
             saved = self._jit_compile
             self._jit_compile = False  # the function spanning the replicas must not be one XLA cluster
             try:

@@ -199,6 +199,48 @@ def _agreed_finite_check(optimizer):
         del optimizer.check_finite
 
 
+def unrolled_steps_function(model, step_function):
+    """Keras' train/test function for steps_per_execution=N > 1 without its tf.while_loop and tf.cond.
+
+    Why: with no merge_call (MirroredStrategy on all-GPU replicas under XLA, i.e. fused mode), `strategy.run`
+    inside a tf.cond or tf.while_loop branch fails ("You must feed a value for placeholder tensor ... cond");
+    reproduced on CPU with a stock MirroredStrategy and `_use_merge_call` off, while N unrolled calls work. So the
+    N batches are taken eagerly from the distributed iterator and one tf.function runs the N steps unrolled; the
+    last execution of an epoch may hold fewer (its own trace). Private Keras touched: `reduce_per_replica` and
+    `TensorFlowTrainer._autoconvert_optionals`, as in Keras' `_make_function`.
+    """
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica  # noqa: PLC0415
+
+    strategy = model.distribute_strategy
+
+    def one_step_on_data(data):
+        return reduce_per_replica(strategy.run(step_function, args=(data,)), strategy, reduction="auto")
+
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def steps_on_batches(batches):
+        outputs = None
+        for data in batches:
+            outputs = one_step_on_data(data)
+        return outputs
+
+    steps_on_batches = tf.function(steps_on_batches, reduce_retracing=True)
+
+    def function(iterator):
+        batches = []
+        for _ in range(model.steps_per_execution):
+            try:
+                batches.append(next(iterator))
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+        if not batches:
+            raise StopIteration
+        return steps_on_batches(tuple(batches))
+
+    return function
+
+
 def _in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
 
