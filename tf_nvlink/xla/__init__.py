@@ -148,7 +148,14 @@ class PerReplicaXlaStrategyMixin:
 
     @property
     def _custom_loop_mode(self) -> str:
-        return "fused" if private.fused_allreduce_possible(self) and self.xla_allreduce == "fused" else "split"
+        # One GPU: fused (the whole step in XLA; its all-reduce is a no-op), whatever the plan says for fit.
+        fused = self.xla_allreduce == "fused" or self.num_replicas_in_sync == 1
+        return "fused" if private.fused_allreduce_possible(self) and fused else "split"
+
+    def _per_replica_copies_needed(self) -> bool:
+        # Several replicas; or one GPU, where TensorFlow's no-merge_call path under XLA still fails on the
+        # optimizer's step counter ("merge_call called while defining a new graph", seen on 1x H200).
+        return self.num_replicas_in_sync > 1 or private.fused_allreduce_possible(self)
 
     @tf.autograph.experimental.do_not_convert  # plain Python checks; AutoGraph would garble the error's source
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -167,7 +174,7 @@ class PerReplicaXlaStrategyMixin:
                 "    @tf.function\n    def train(x, y): return strategy.run(step, args=(x, y))\n"
                 "tf_nvlink compiles one copy of `step` per replica.")
         target = fn if hasattr(fn, "python_function") else getattr(fn, "__wrapped__", fn)  # Keras wraps its own
-        if self.num_replicas_in_sync > 1 and getattr(target, "_jit_compile", False) and hasattr(
+        if self._per_replica_copies_needed() and getattr(target, "_jit_compile", False) and hasattr(
                 target, "python_function"):
             fn = self._per_replica_copy(fn, target)
             if tf.executing_eagerly():  # as MirroredStrategy does for a tf.function: run the replicas in a graph
