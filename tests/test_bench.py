@@ -124,6 +124,48 @@ class TestMath:
                              "all-reduce (the chain without the all-reduce, less an empty call)")
         assert lines[-2] == "# Out of bounds values : 0 OK"
 
+    def test_nvlink_bytes_per_all_reduce_beside_the_expected_ones(self):
+        """Issue 17: the worker reads NVML's NVLink counters around the timed all-reduces; the table shows the
+        bytes per GPU per all-reduce beside the ring's 2(n-1)/n x size."""
+        output = {"ok": True, "ops": "nccl", "num_packs": 1, "n_replicas": 2, "n_gpus": 2, "nvlink_unavailable": None,
+                  "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": 1600.0, "wrong": 0,
+                               "nvlink_bytes": 1.003 * 2**28, "nvlink_expected_bytes": 2**28},
+                              {"size_bytes": 2**10, "count": 2**8, "time_us": 20.0, "wrong": 0,
+                               "nvlink_bytes": None, "nvlink_expected_bytes": 2**10}]}
+        records = bench.to_records(output, bench.Candidate("nccl"), bench.Target("GPU", 2, (0, 1)))
+        assert records[0]["nvlink_bytes"] == 1.003 * 2**28 and records[0]["nvlink_expected_bytes"] == 2**28
+        lines = bench.render_candidate_table(records).splitlines()
+        assert lines[1].split()[-2:] == ["NVLink", "expected"] and lines[2].split()[-2:] == ["(MiB/GPU)"] * 2
+        assert lines[3].split()[-2:] == ["256.768", "256.000"]
+        assert lines[4].split()[-2:] == ["n/a", "0.001"]
+        assert lines[-3].startswith("# NVLink: bytes each GPU sent and received per all-reduce over NVLink")
+
+    def test_without_nvlink_counters_the_table_says_why(self):
+        output = {"ok": True, "ops": "nccl", "num_packs": 1, "n_replicas": 2, "n_gpus": 2,
+                  "nvlink_unavailable": "GPU 0: no NVLink (a PCIe-only GPU)",
+                  "results": [{"size_bytes": 2**20, "count": 2**18, "time_us": 100.0, "wrong": 0,
+                               "nvlink_bytes": None, "nvlink_expected_bytes": 2**20}]}
+        records = bench.to_records(output, bench.Candidate("nccl"), bench.Target("GPU", 2, (0, 1)))
+        table = bench.render_candidate_table(records)
+        assert "NVLink" not in table.splitlines()[1]
+        assert "# NVLink bytes not measured: GPU 0: no NVLink (a PCIe-only GPU)" in table
+
+    def test_worker_reads_nvlink_only_where_counters_exist(self):
+        import types
+
+        import fake_nvml
+        from fake_nvml import FakeNvml
+        from tf_nvlink.bench import worker
+
+        plan = types.SimpleNamespace(gpus=(0, 1))
+        reader, why = worker._nvlink_reader(plan, 2, False, FakeNvml(fake_nvml.h200_x2()))
+        assert why is None and reader.readable == (0, 1)
+        assert {f for f, _ in reader._requests[0]} == {138, 139}  # DATA TX/RX only: half the values per read
+        reader.close()
+        reader, why = worker._nvlink_reader(plan, 2, False, FakeNvml(fake_nvml.pcie_x4()))
+        assert reader is None and why.startswith("GPU 0: no NVLink (a PCIe-only GPU")
+        assert worker._nvlink_reader(plan, 2, True) == (None, "fewer than 2 GPUs: nothing crosses NVLink")
+
     def test_records_carry_the_formula(self):
         output = {"ok": True, "ops": "reduce_to_one", "num_packs": None, "n_replicas": 4, "n_gpus": 4,
                   "results": [{"size_bytes": 2**20, "count": 2**18, "time_us": 100.0, "wrong": 0}]}

@@ -56,6 +56,27 @@ def test_workers_candidate_trains_on_two_cpu_workers_in_lockstep(jit):
     assert record["jit_compile"] is jit and record["xla_allreduce"] == ("split" if jit else None)
 
 
+def test_table_shows_measured_nvlink_bytes_beside_the_expected_ones():
+    """Issue 17: each candidate's NVLink bytes per step (NVLinkMonitor in the worker) beside the all-reduce's."""
+    rows = [
+        {"candidate": "1gpu", "replicas": 1, "jit_compile": True, "step_ms": 30.0, "examples_per_s": 4200.0,
+         "nvlink_bytes_per_step": None, "nvlink_expected_bytes_per_step": None,
+         "nvlink_unavailable": "one replica (no multi-GPU strategy): nothing is all-reduced over NVLink"},
+        {"candidate": "auto", "replicas": 2, "jit_compile": True, "step_ms": 36.0, "examples_per_s": 7100.0,
+         "nvlink_bytes_per_step": 98.0 * 2**20, "nvlink_expected_bytes_per_step": 97.6 * 2**20},
+        {"candidate": "auto@nop2p", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
+         "nvlink_bytes_per_step": 0.0, "nvlink_expected_bytes_per_step": 97.6 * 2**20},
+        {"candidate": "auto@pcie", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
+         "nvlink_bytes_per_step": None, "nvlink_unavailable": "GPU 0: no NVLink"},
+    ]
+    lines = training_bench.render_table(rows).splitlines()
+    assert lines[0].split()[-1] == "NVLink/expected" and lines[1].split()[-1] == "(MiB/step/GPU)"
+    cells = {line.split()[0]: line.split()[-1] for line in lines[2:6]}
+    assert cells == {"1gpu": "n/a", "auto": "98.0/97.6", "auto@nop2p": "0.0/97.6", "auto@pcie": "n/a"}
+    footer = next(line for line in lines if line.startswith("# NVLink/expected"))
+    assert footer.endswith("; n/a: auto@pcie: GPU 0: no NVLink")  # one replica needs no reason
+
+
 def test_table_ratios_scaling_and_nvlink_speedup():
     rows = [
         {"candidate": "1gpu", "replicas": 1, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 3200.0},

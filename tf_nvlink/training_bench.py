@@ -251,6 +251,14 @@ def _without(name: str, suffix: str) -> str:
     return "@".join([base] + [x for x in suffixes if x != suffix])
 
 
+def _nvlink_cell(record: dict) -> str:
+    """NVLink bytes per step per GPU that NVLinkMonitor measured / the all-reduce's expected bytes, in MiB."""
+    measured, expected = record.get("nvlink_bytes_per_step"), record.get("nvlink_expected_bytes_per_step")
+    if measured is None:
+        return "n/a"
+    return f"{measured / 2**20:.1f}/{expected / 2**20:.1f}" if expected else f"{measured / 2**20:.1f}/-"
+
+
 def _throughput(record: dict) -> float:
     return record.get("tokens_per_s", record["examples_per_s"])
 
@@ -265,10 +273,13 @@ def render_table(results: list[dict]) -> str:
     stock = ok.get("stock")
     spread = any("spread" in r for r in results)
     unit = "tokens/s" if any("tokens_per_s" in r for r in ok.values()) else "examples/s"
+    nvlink = any(r.get("nvlink_bytes_per_step") is not None for r in ok.values())
     header = (f"{'candidate':<26}{'replicas':>9}{'XLA':>5}{'input':>7}{'step':>9}{unit:>12}{'vs 1 GPU':>10}"
-              f"{'scaling':>9}{'vs stock':>10}" + (f"{'spread':>9}" if spread else ""))
+              f"{'scaling':>9}{'vs stock':>10}" + (f"{'spread':>9}" if spread else "")
+              + (f"{'NVLink/expected':>18}" if nvlink else ""))
     units = (f"{'':<26}{'':>9}{'':>5}{'':>7}{'(ms)':>9}{'(median)' if spread else '':>12}{'(x)':>10}"
-             f"{'(eff.)':>9}{'(x)':>10}" + (f"{'(%)':>9}" if spread else ""))
+             f"{'(eff.)':>9}{'(x)':>10}" + (f"{'(%)':>9}" if spread else "")
+             + (f"{'(MiB/step/GPU)':>18}" if nvlink else ""))
     lines = [header, units]
     for r in results:
         if "error" in r:
@@ -281,7 +292,8 @@ def render_table(results: list[dict]) -> str:
         lines.append(f"{r['candidate']:<26}{r['replicas']:>9}{'yes' if r['jit_compile'] else 'no':>5}"
                      f"{r.get('input', 'host'):>7}{r['step_ms']:>9.1f}{_throughput(r):>12.0f}{_ratio(vs_one):>10}"
                      f"{_ratio(scaling):>9}{_ratio(vs_stock):>10}"
-                     + (f"{100 * r['spread']:>9.1f}" if "spread" in r else ""))
+                     + (f"{100 * r['spread']:>9.1f}" if "spread" in r else "")
+                     + (f"{_nvlink_cell(r):>18}" if nvlink else ""))
     for name, record in ok.items():
         base = _without(name, "nop2p")
         if base != name and base in ok:
@@ -316,6 +328,12 @@ def render_table(results: list[dict]) -> str:
                      f"{timed['warmup_steps']}-step warm-up fit; input host = tf.data from host memory"
                      + (" (uint8 images cast on the device)" if timed["model"] in IMAGE_MODELS else "")
                      + ", device = the batch held on each device, indices from the host")
+    if nvlink:
+        reasons = sorted({f"{r['candidate']}: {r['nvlink_unavailable']}" for r in ok.values()
+                          if r.get("nvlink_unavailable") and r["replicas"] > 1})
+        lines.append("# NVLink/expected: bytes per step per GPU over NVLink (NVLinkMonitor, NVML counters) / the "
+                     "all-reduce of the gradients (2(n-1)/n x gradient bytes)"
+                     + (f"; n/a: {'; '.join(reasons)}" if reasons else ""))
     plans = sorted({r["plan"] for r in results if r.get("plan")})
     lines += [f"# {p}" for p in plans]
     return "\n".join(lines)

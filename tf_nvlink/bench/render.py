@@ -39,11 +39,13 @@ def render_candidate_table(records: Sequence[dict]) -> str:
     head = f"# {first['label']}: {ops_doc}"
     if first["status"] == "failed" and first["size_bytes"] is None:
         return head + f"\n#   FAILED: {first['error']}"
+    nvlink = any(r.get("nvlink_bytes") is not None for r in records)  # NVML counted NVLink bytes per all-reduce
     lines = [head + f", {first['n_replicas']} replicas" + (f", env {_env_text(first['env'])}" if first["env"]
                                                             else ""),
              f"#{'size':>11} {'count':>12} {'type':>7} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8} "
-             f"{'#wrong':>7}",
-             f"#{'(B)':>11} {'(elements)':>12} {'':>7} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>7}"]
+             f"{'#wrong':>7}" + (f" {'NVLink':>9} {'expected':>9}" if nvlink else ""),
+             f"#{'(B)':>11} {'(elements)':>12} {'':>7} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>7}"
+             + (f" {'(MiB/GPU)':>9} {'(MiB/GPU)':>9}" if nvlink else "")]
     wrong = 0
     for r in records:
         if r["status"] == "failed":
@@ -52,15 +54,27 @@ def render_candidate_table(records: Sequence[dict]) -> str:
             continue
         wrong += r["wrong"]
         lines.append(f"{r['size_bytes']:>12} {r['count']:>12} {'float':>7} {'sum':>6} {r['time_us']:>10.1f} "
-                     f"{r['algbw']:>8.2f} {r['busbw']:>8.2f} {r['wrong']:>7}")
+                     f"{r['algbw']:>8.2f} {r['busbw']:>8.2f} {r['wrong']:>7}" + (_nvlink_cells(r) if nvlink else ""))
     measured = _measured(records)
     local = [r for r in measured if r.get("local_us") is not None]
     if local:
         lines.append(render_local_line(local))
+    if nvlink:
+        lines.append("# NVLink: bytes each GPU sent and received per all-reduce over NVLink (NVML counters, mean of "
+                     "TX and RX); expected: the ring's 2(n-1)/n x size")
+    elif first.get("nvlink_unavailable") and first["device_type"] == "GPU":
+        lines.append(f"# NVLink bytes not measured: {first['nvlink_unavailable']}")
     lines.append(f"# Out of bounds values : {wrong} {'OK' if not wrong else 'WRONG'}")
     if measured:
         lines.append(f"# Avg bus bandwidth    : {sum(r['busbw'] for r in measured) / len(measured):.4f} GB/s")
     return "\n".join(lines)
+
+
+def _nvlink_cells(record: dict) -> str:
+    def mib(value):
+        return f"{value / 2**20:>9.3f}" if value is not None else f"{'n/a':>9}"
+
+    return f" {mib(record.get('nvlink_bytes'))} {mib(record.get('nvlink_expected_bytes'))}"
 
 
 def render_local_line(records: Sequence[dict]) -> str:

@@ -38,7 +38,8 @@ def spawn_worker(candidate: Candidate, target: Target, sizes: Sequence[int], ite
 
 _RECORD_KEYS = ("candidate", "label", "variant", "ops", "num_packs", "n_gpus", "n_replicas", "device_type",
                 "size_bytes", "count", "dtype", "time_us", "algbw", "busbw", "wrong", "status", "error", "env",
-                "iters", "repeats", "tf_version", "plan", "raw_time_us", "local_us", "local_capped")
+                "iters", "repeats", "tf_version", "plan", "raw_time_us", "local_us", "local_capped",
+                "nvlink_bytes", "nvlink_expected_bytes", "nvlink_unavailable")
 
 
 def _record(**fields) -> dict:
@@ -62,7 +63,8 @@ def to_records(output: dict, candidate: Candidate, target: Target, env: Optional
     n = output["n_replicas"]
     common = dict(base, label=label, ops=output["ops"], num_packs=output.get("num_packs"), n_replicas=n,
                   n_gpus=output.get("n_gpus", len(target.gpus)), iters=output.get("iters"),
-                  repeats=output.get("repeats"), tf_version=output.get("tf_version"), plan=output.get("plan"))
+                  repeats=output.get("repeats"), tf_version=output.get("tf_version"), plan=output.get("plan"),
+                  nvlink_unavailable=output.get("nvlink_unavailable"))
     records = []
     for result in output["results"]:
         if "error" in result:
@@ -75,7 +77,9 @@ def to_records(output: dict, candidate: Candidate, target: Target, env: Optional
                                algbw=algbw_gbps(result["size_bytes"], time_us),
                                busbw=busbw_gbps(result["size_bytes"], time_us, n), wrong=wrong,
                                status="ok" if wrong == 0 else "wrong", raw_time_us=result.get("raw_time_us"),
-                               local_us=result.get("local_us"), local_capped=result.get("local_capped")))
+                               local_us=result.get("local_us"), local_capped=result.get("local_capped"),
+                               nvlink_bytes=result.get("nvlink_bytes"),
+                               nvlink_expected_bytes=result.get("nvlink_expected_bytes")))
     return records
 
 

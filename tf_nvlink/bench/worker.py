@@ -15,7 +15,8 @@ import time
 import traceback
 from typing import Optional, Sequence
 
-from tf_nvlink import strategies
+from tf_nvlink import nvlink_traffic, strategies
+from tf_nvlink.nvml import NvLinkCounterReader
 from tf_nvlink.bench.specs import DTYPE_BYTES, Candidate, parse_candidate, parse_sizes, subtract_local
 from tf_nvlink.text import one_line_error
 from tf_nvlink.topology import Topology
@@ -132,6 +133,17 @@ def _worker_inputs(tf, strategy, count: int):
     return x, floor
 
 
+def _nvlink_reader(plan, n: int, cpu: bool, nvml=None):
+    """(an open NvLinkCounterReader over the plan's GPUs, None), or (None, why NVLink bytes are not measured)."""
+    if cpu or n < 2 or len(plan.gpus) < 2:
+        return None, "fewer than 2 GPUs: nothing crosses NVLink"
+    reader = NvLinkCounterReader(plan.gpus, nvml, payload_only=True).open()
+    if reader.error or len(reader.readable) < 2:
+        reader.close()
+        return None, reader.error or "; ".join(f"GPU {g}: {why}" for g, why in sorted(reader.unavailable.items()))
+    return reader, None
+
+
 def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: int, warmup: int,
            repeats: int) -> dict:
     """Measure `candidate` at `sizes` in THIS process (call it once per process); returns a JSON-ready dict."""
@@ -139,39 +151,51 @@ def worker(candidate: Candidate, target_spec: str, sizes: Sequence[int], iters: 
     n = strategy.num_replicas_in_sync
     xla = candidate.name == "xla"
     timed, local, empty, check = _chains(tf, strategy, iters, xla=xla)
+    reader, nvlink_unavailable = _nvlink_reader(plan, n, cpu)
 
     def host_read(value):
         return [v.numpy() for v in strategy.experimental_local_results(value)]
 
-    def per_call_us(fn, *args):
+    def per_call_us(fn, *args, nvlink_bytes: Optional[list] = None):
         for _ in range(max(1, warmup)):  # the first call traces and sets up the communicators
             host_read(fn(*args))
+        before = reader.read() if reader is not None and nvlink_bytes is not None else None
         start = time.perf_counter()
         for _ in range(repeats):
             host_read(fn(*args))
-        return (time.perf_counter() - start) * 1e6 / repeats
+        seconds = time.perf_counter() - start
+        if before is not None:  # NVLink bytes per GPU per all-reduce, read outside the timed loop
+            traffic = nvlink_traffic.traffic_delta(before, reader.read())
+            nvlink_bytes.append(nvlink_traffic.per_gpu_bytes(traffic) / (repeats * iters) if traffic else None)
+        return seconds * 1e6 / repeats
 
     results = []
     for size in sizes:
         count = size // DTYPE_BYTES
         try:
             x, floor = _worker_inputs(tf, strategy, count)
-            raw_us = per_call_us(timed, x, floor) / iters
+            measured_nvlink: list = []
+            raw_us = per_call_us(timed, x, floor, nvlink_bytes=measured_nvlink) / iters
             wrong = int(sum(host_read(check(x))))
             local_us = max(0.0, per_call_us(local, x, floor) - per_call_us(empty, x, floor)) / iters
             time_us, capped = subtract_local(raw_us, local_us)
             results.append({"size_bytes": size, "count": count, "time_us": time_us, "raw_time_us": raw_us,
-                            "local_us": local_us, "local_capped": capped, "wrong": wrong})
+                            "local_us": local_us, "local_capped": capped, "wrong": wrong,
+                            "nvlink_bytes": measured_nvlink[0] if measured_nvlink else None,
+                            "nvlink_expected_bytes": nvlink_traffic.expected_allreduce_bytes(size, n)})
             del x, floor
         except Exception as exc:  # noqa: BLE001 - one failing size (say out of memory) is a row, not a crash
             traceback.print_exc()  # the whole story on the worker's stderr
             results.append({"size_bytes": size, "count": count, "error": one_line_error(exc)})
+    if reader is not None:
+        reader.close()
     return {
         "ok": True, "candidate": candidate.label, "ops": _reported_ops(candidate, plan),
         "num_packs": None if xla else plan.num_packs,
         "n_replicas": n, "n_gpus": len(plan.gpus), "gpus": list(plan.gpus), "devices": list(plan.devices),
         "device_type": "CPU" if cpu else "GPU", "tf_version": tf.__version__, "plan": plan.summary(),
         "iters": iters, "warmup": warmup, "repeats": repeats, "results": results,
+        "nvlink_unavailable": nvlink_unavailable,
     }
 
 
