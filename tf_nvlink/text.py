@@ -80,6 +80,18 @@ def one_line_error(error, limit: int = 400, empty: str = "unknown error") -> str
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def write_failure(tool: str, what: str, path: str, error: BaseException,
+                  kept: str = "the results are printed above") -> str:
+    """The one error line of a command whose measurement is kept although its output file could not be written.
+
+    Example:
+        >>> write_failure("tf-nvlink bench", "write --json", "/ro/x.json", PermissionError(13, "Permission denied"))
+        "tf-nvlink bench: error: could not write --json '/ro/x.json' (Permission denied); the results are printed above."
+    """
+    why = getattr(error, "strerror", None) or error
+    return f"{tool}: error: could not {what} {path!r} ({why}); {kept}."
+
+
 def table(rows: Sequence[Sequence[str]], right: Collection[int] = (), header_rows: int = 0) -> list[str]:
     """Rows of cells as aligned lines: each column as wide as its widest cell, those in `right` right-aligned.
 

@@ -42,7 +42,7 @@ from tf_nvlink.argtypes import argtype, command_line, usage_error
 from tf_nvlink.tune_cache import (CACHE_FILE, FORMAT_VERSION, MAX_CACHE_BYTES, CacheError, cache_dir,  # noqa: F401
                                   cache_path, cache_unusable_reason, entries, gpus_key, lookup, make_key, store,
                                   stored_choice, validate_record)
-from tf_nvlink.text import strict_loads  # noqa: F401
+from tf_nvlink.text import strict_loads, write_failure  # noqa: F401 (strict_loads: re-exported)
 
 log = logging.getLogger("tf_nvlink")
 
@@ -249,8 +249,7 @@ def run(args: argparse.Namespace) -> int:
                 store(result.record, cache_path())
                 result.cache_path = cache_path()
             except (OSError, CacheError) as exc:  # the folder changed while measuring: keep the measurement
-                store_error = (f"tf-nvlink tune: error: could not store the winner in {cache_path()} "
-                               f"({getattr(exc, 'strerror', None) or exc}); the results are printed above.")
+                store_error = write_failure("tf-nvlink tune", "store the winner in", str(cache_path()), exc)
     except bench.BenchError as exc:
         return usage_error(args, str(exc))
     except RuntimeError as exc:

@@ -17,6 +17,7 @@ from tf_nvlink.bench.runner import measure, skipped_records
 from tf_nvlink.bench.specs import (DEFAULT_CANDIDATES, DEFAULT_SIZES, P2P_ENV, P2P_VARIANT, BenchError,
                                    format_size, parse_candidates, parse_env, parse_size, parse_sizes, plan_runs,
                                    resolve_target, skip_reason)
+from tf_nvlink.text import write_failure
 
 HELP = "all-reduce time, algbw and busbw per cross-device-ops candidate, each in its own process (like nccl-tests)"
 
@@ -153,15 +154,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# JSON records written to {args.json}")
             except OSError as exc:  # the folder changed while measuring: keep the measurement, say why
                 print(text)
-                print(f"tf-nvlink bench: error: could not write --json {args.json!r} ({exc.strerror or exc}); the "
-                      f"records are printed above instead.", file=sys.stderr)
+                print(write_failure("tf-nvlink bench", "write --json", args.json, exc,
+                                    "the records are printed above instead"), file=sys.stderr)
                 return 1
     if args.plot:
         try:
             plot(records, args.plot, title=f"all-reduce busbw, {target.describe().split(';')[0]}")
         except OSError as exc:
-            print(f"tf-nvlink bench: error: could not write --plot {args.plot!r} ({exc.strerror or exc}); the "
-                  f"results are printed above.", file=sys.stderr)
+            print(write_failure("tf-nvlink bench", "write --plot", args.plot, exc), file=sys.stderr)
             return 1
         if args.json != "-":
             print(f"# plot written to {args.plot}")
