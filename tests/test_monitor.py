@@ -268,6 +268,46 @@ def test_report_command_samples_traffic(capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["error"].startswith("no NVIDIA driver / NVML (nvmlInit failed")
 
 
+def test_report_watch_prints_a_line_per_interval(capsys, monkeypatch):
+    """`--nvlink_watch N`: one line per interval with every GPU's TX/RX GB/s; NVML opened once."""
+    from tf_nvlink.__main__ import main
+
+    machine = fake_nvml.h200_x2()
+    fake = FakeNvml(machine)
+    monkeypatch.setattr(nvml, "_load_pynvml", lambda: fake)
+    sleeps, clock = [], [1000.0]
+
+    def sleep(seconds):  # 2 GB from GPU 0 to GPU 1 during each interval, on a clock that advances by `seconds`
+        sleeps.append(seconds)
+        clock[0] += seconds
+        fake_nvml.transfer(machine, 0, 1, 2 * 10**9)
+
+    monkeypatch.setattr(nvlink_traffic.time, "sleep", sleep)
+    monkeypatch.setattr(nvml.time, "monotonic", lambda: clock[0])  # the reads' timestamps
+    assert main(["report", "--nvlink_traffic", "2", "--nvlink_watch", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["#", "time", "gpu0", "TX", "gpu0", "RX", "gpu1", "TX", "gpu1", "RX", "(GB/s)"]
+    assert len(lines) == 4 and sleeps == [2.0] * 3 and fake.init_calls == 1
+    for line in lines[1:]:  # 2 GB in 2 s: 1 GB/s out of GPU 0 and into GPU 1 (whole KiB in the fake)
+        assert [float(v) for v in line.split()[1:]] == pytest.approx([1.0, 0.0, 0.0, 1.0], abs=0.01)
+    assert main(["report", "--nvlink_traffic", "2", "--nvlink_watch", "1", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["seconds"] == 2.0 and record["gpus"]["1"]["rx_bytes"] == pytest.approx(2 * 10**9, abs=1024)
+
+
+def test_report_watch_without_an_interval_or_counters_says_why(capsys, monkeypatch):
+    from tf_nvlink.__main__ import main
+
+    assert main(["report", "--nvlink_watch", "3"]) == 2
+    assert "--nvlink_watch needs --nvlink_traffic SECONDS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["report", "--nvlink_traffic", "1", "--nvlink_watch", "-1"])
+    assert "should be a number of samples, 0 for until Ctrl-C. Received: '-1'" in capsys.readouterr().err
+    monkeypatch.setattr(nvml, "_load_pynvml", lambda: FakeNvml(fake_nvml.pcie_x4()))
+    assert main(["report", "--nvlink_traffic", "1", "--nvlink_watch", "2"]) == 1
+    assert "unavailable because GPU 0: no NVLink" in capsys.readouterr().out
+
+
 def test_benchmark_snapshot_and_delta():
     machine = fake_nvml.h200_x2()
     fake = FakeNvml(machine)

@@ -295,15 +295,81 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _watch_count(text: str) -> int:
+    import argparse  # noqa: PLC0415
+
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"should be a number of samples, 0 for until Ctrl-C. Received: {text!r}")
+    return int(text)
+
+
 def add_traffic_argument(parser) -> None:
-    """The report's --nvlink_traffic option."""
+    """The report's --nvlink_traffic and --nvlink_watch options."""
     parser.add_argument("--nvlink_traffic", type=_positive_seconds, metavar="SECONDS", default=None,
                         help="instead of the report, sample the NVLink traffic of every GPU for SECONDS and print "
                              "GB/s sent and received per GPU (NVML counters: every process's traffic)")
+    parser.add_argument("--nvlink_watch", type=_watch_count, metavar="COUNT", default=None,
+                        help="with --nvlink_traffic: print COUNT samples (0: until Ctrl-C), one line per interval "
+                             "with each GPU's TX/RX GB/s (--json: one JSON object per line)")
 
 
-def traffic_command(seconds: float, as_json: bool = False) -> int:
-    """Print one NVLink traffic sample; 0 when at least one GPU was measured, else 1 (the reason is printed)."""
+def watch_traffic(seconds: float, count: int = 0, gpus: Optional[Iterable[int]] = None, nvml: Any = None,
+                  as_json: bool = False, sleep: Optional[Callable[[float], None]] = None,
+                  write: Callable[[str], Any] = print) -> int:
+    """`tf-nvlink report --nvlink_traffic S --nvlink_watch N`: a line per interval, as `nvidia-smi dmon` does.
+
+    NVML stays open between samples (one read per interval). Returns 0 once a GPU was measured, 1 when none
+    could be (the reason is printed); Ctrl-C ends the watch with 0.
+
+    Example:
+        $ tf-nvlink report --nvlink_traffic 1 --nvlink_watch 0
+        #     time  gpu0 TX  gpu0 RX  gpu1 TX  gpu1 RX   (GB/s)
+        12:00:01     98.1     98.1     98.1     98.1
+    """
+    import json  # noqa: PLC0415
+
+    sleep = sleep or time.sleep
+    with NvLinkCounterReader(gpus, nvml, payload_only=True) as reader:
+        if not reader.readable:
+            why = reader.error or "; ".join(f"GPU {g}: {w}" for g, w in sorted(reader.unavailable.items()))
+            write(json.dumps({"error": why}) if as_json else f"NVLink traffic: unavailable because {why or 'no GPU'}")
+            return 1
+        if not as_json:
+            write("#     time" + "".join(f"  gpu{g} TX  gpu{g} RX" for g in reader.readable) + "   (GB/s)")
+        before, taken = reader.read(), 0
+        try:
+            while count == 0 or taken < count:
+                sleep(seconds)
+                after = reader.read()
+                traffic, before, taken = traffic_delta(before, after), after, taken + 1
+                stamp = time.strftime("%H:%M:%S")
+                if as_json:
+                    write(json.dumps({"time": stamp, "seconds": seconds,
+                                      "gpus": {str(g): t.to_dict() for g, t in sorted(traffic.items())}}))
+                else:
+                    write(f"{stamp:>10}" + "".join(
+                        f"{traffic[g].tx_gbps:>9.2f}{traffic[g].rx_gbps:>9.2f}" if g in traffic else f"{'n/a':>18}"
+                        for g in reader.readable))
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def traffic_command_from_args(args) -> int:
+    """`tf-nvlink report --nvlink_traffic SECONDS [--nvlink_watch COUNT] [--json]`."""
+    if args.nvlink_traffic is None:
+        import sys  # noqa: PLC0415
+
+        print("tf-nvlink report: error: --nvlink_watch needs --nvlink_traffic SECONDS, the interval. "
+              f"Received: --nvlink_watch {args.nvlink_watch} alone", file=sys.stderr)
+        return 2
+    return traffic_command(args.nvlink_traffic, as_json=args.json, watch=args.nvlink_watch)
+
+
+def traffic_command(seconds: float, as_json: bool = False, watch: Optional[int] = None) -> int:
+    """Print one NVLink traffic sample (or `watch` lines); 0 when a GPU was measured, else 1 (the reason printed)."""
+    if watch is not None:
+        return watch_traffic(seconds, watch, as_json=as_json)
     sample = sample_traffic(seconds)
     if as_json:
         import json  # noqa: PLC0415

@@ -386,8 +386,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`tf-nvlink report`: print the report; 0 also on a machine without GPUs."""
-    if getattr(args, "nvlink_traffic", None) is not None:
-        return nvlink_traffic.traffic_command(args.nvlink_traffic, as_json=args.json)
+    if getattr(args, "nvlink_traffic", None) is not None or getattr(args, "nvlink_watch", None) is not None:
+        return nvlink_traffic.traffic_command_from_args(args)
     if not args.no_tf:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter off the report
     data = collect(with_tf=not args.no_tf)
