@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Re-run the GPU figures of BUILD_NOTES.md on this machine, every log kept whole in OUTDIR.
 #
-#   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default: all)
+#   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
+#                                                      and the open issues' 2-GPU measurements: scaling spe8
+#                                                      transformer p2poff loops monitor (each about 10 minutes
+#                                                      or less on 2x H200; run them one per command)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
@@ -35,7 +38,27 @@ for stage in $stages; do
                 --candidates 1gpu,auto,auto@nop2p,stock --json "$out/resnet50.json" ;;
     workers) run workers "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
                --candidates auto,workers,workers@nop2p --json "$out/workers.json" ;;
-    *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers" >&2; exit 2 ;;
+    scaling) run scaling "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --warmup 10 \
+               --variants host,async,device --json "$out/scaling.json" ;;
+    spe8) run spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --warmup 16 --steps_per_execution 8 \
+            --variants host,async --json "$out/spe8.json" ;;
+    transformer)  # NCCL reads NCCL_P2P_DISABLE once per process: one probe per setting
+      run transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 --warmup 5 \
+        --variants host --json "$out/transformer.json"
+      NCCL_P2P_DISABLE=1 run transformer_nop2p "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 \
+        --steps 30 --warmup 5 --variants host --json "$out/transformer_nop2p.json"
+      NCCL_P2P_DISABLE=1 run transformer_nop2p_bf16 "$py" benchmarks/scaling_probe.py --model transformer \
+        --rounds 3 --steps 30 --warmup 5 --variants host --allreduce_dtype bfloat16 \
+        --json "$out/transformer_nop2p_bf16.json" ;;
+    p2poff) NCCL_P2P_DISABLE=1 run p2poff_bf16 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --warmup 10 \
+              --variants host --allreduce_dtype bfloat16 --json "$out/p2poff_bf16.json" ;;
+    loops) run loops "$py" benchmarks/custom_loop_vs_fit.py --rounds 3 --steps 60 --warmup 10 --json "$out/loops.json" ;;
+    monitor)
+      run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load
+      run monitor "$py" benchmarks/scaling_probe.py --rounds 3 --steps 100 --warmup 10 \
+        --variants host,monitor,monitor1 --json "$out/monitor.json" ;;
+    *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
+            "p2poff loops monitor" >&2; exit 2 ;;
   esac
 done
 exit $status
