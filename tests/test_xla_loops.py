@@ -3,8 +3,8 @@
 The shape of TensorFlow's guide "Custom training with tf.distribute.Strategy": a `tf.function(jit_compile=True)`
 step that calls `optimizer.apply_gradients`, passed to `strategy.run` inside a plain `tf.function` loop (or
 eagerly). On 2 logical CPUs it runs in split mode (gradients in XLA, the update outside); fused mode's logic is
-checked without XLA, as tests/test_xla.py does for fit (XLA on CPU cannot compile collectives). Each run is its
-own process: one strategy per process.
+checked without XLA (conftest.FUSED_CPU_EMULATION, as for fit: XLA on CPU cannot compile collectives). Each run
+is its own process: one strategy per process.
 """
 
 import json
@@ -14,34 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_python
+from conftest import FUSED_CPU_EMULATION, run_python
 
-_LOOP = r"""
+_LOOP = FUSED_CPU_EMULATION + r"""
 import json, re, sys
 import numpy as np, tensorflow as tf
 mode, runs = sys.argv[1], sys.argv[2:]
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, tf_nvlink
-from tf_nvlink import xla
-if mode == "fused":  # fused mode without XLA: TensorFlow's no-merge_call path, as under XLA on all-GPU replicas
-    from tensorflow.python.distribute import mirrored_strategy
-    import dataclasses
-    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
-    xla.private.fused_allreduce_possible = lambda strategy: True
-    def compiled_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self._body(replica_id), autograph=self.autograph)
-            return self._compiled[replica_id]
-    xla.PerReplicaCustomStep._compiled_for = compiled_without_jit
-if mode == "single":
+if mode == "fused":  # fused mode without XLA (conftest.FUSED_CPU_EMULATION)
+    strategy = fused_strategy_emulated_on_cpu()
+elif mode == "single":
     strategy = tf.distribute.get_strategy()
 else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"],
-                                  cross_device_ops="collective" if mode == "fused" else "auto")
-    if mode == "fused":
-        strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
 x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
 GLOBAL = 32
@@ -204,33 +191,19 @@ model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8
     assert "synchronized=False" in proc.stderr
 
 
-_FIT_SCRIPT = r"""
+_FIT_SCRIPT = FUSED_CPU_EMULATION + r"""
 import json, sys
 import numpy as np, tensorflow as tf
 mode = sys.argv[1]
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, tf_nvlink
-from tf_nvlink import xla
-if mode == "fused":  # fused mode without XLA (as in tests/test_xla.py)
-    from tensorflow.python.distribute import mirrored_strategy
-    import dataclasses
-    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
-    xla.private.fused_allreduce_possible = lambda strategy: True
-    def compiled_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                fn = self._fused_body() if self.kind == "train" else self.step_function
-                self._compiled[replica_id] = tf.function(fn, autograph=False)
-            return self._compiled[replica_id]
-    xla.PerReplicaXlaStep._compiled_for = compiled_without_jit
-if mode == "single":
+if mode == "fused":  # fused mode without XLA (conftest.FUSED_CPU_EMULATION)
+    strategy = fused_strategy_emulated_on_cpu()
+elif mode == "single":
     strategy = tf.distribute.get_strategy()
 else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"],
-                                  cross_device_ops="collective" if mode == "fused" else "auto")
-    if mode == "fused":
-        strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 
 class OwnTrainStep(keras.Model):
     # A subclassed model with its own train_step, as in Keras' "customizing fit" guide.
