@@ -266,3 +266,58 @@ def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_executio
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-4)
     np.testing.assert_allclose(multi["evaluate"], single["evaluate"], rtol=2e-3, atol=2e-4)
     np.testing.assert_allclose(multi["predict"], single["predict"], rtol=2e-3, atol=2e-4)
+
+
+_MIXED_FIT_SCRIPT = FUSED_CPU_EMULATION + r"""
+import json, sys
+import numpy as np, tensorflow as tf
+mode = sys.argv[1]
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+if mode == "fused":
+    strategy = fused_strategy_emulated_on_cpu()
+elif mode == "single":
+    strategy = tf.distribute.get_strategy()
+else:
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+keras.mixed_precision.set_global_policy("mixed_float16")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
+x[116, 0] = 1000.0  # as in _LOOP's mixed run: the last batch overflows on replica 1 at every scale used
+with strategy.scope():
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 20)
+    model.compile(optimizer=optimizer, jit_compile=mode in ("split", "fused"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+def copies(variable):
+    value = getattr(variable, "value", variable)
+    return [v.numpy().tolist() for v in getattr(value, "values", [value])]
+print(json.dumps({"loss": history.history["loss"], "dynamic_scale": copies(optimizer.dynamic_scale),
+                  "iterations": copies(optimizer.iterations),
+                  "weights": [copies(v) for v in model.trainable_variables]}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["no_xla", "split", "fused"])
+def test_mixed_precision_fit_skips_overflowing_steps_on_every_replica(mode):
+    """model.fit with LossScaleOptimizer(initial_scale=2**20) under mixed_float16, the data of the custom-loop test
+    above: the same 5 of 12 steps skipped as on one device, the same weights. Keras' own update (fit without XLA,
+    split mode's update) kept replica 0's finite check for every replica: at step 2 only replica 1 overflowed and
+    the update made every weight NaN (measured on 2 CPU replicas before tf_nvlink all-reduced the check)."""
+    results = {}
+    for run in ("single", mode):
+        if run not in _RESULTS.setdefault("mixed_fit", {}):
+            proc = _run_script(_MIXED_FIT_SCRIPT, run)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            _RESULTS["mixed_fit"][run] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[run] = _RESULTS["mixed_fit"][run]
+    single, multi = results["single"], results[mode]
+    assert single["dynamic_scale"] == [2.0 ** 15] and single["iterations"] == [7]
+    assert multi["dynamic_scale"] == [2.0 ** 15] * 2 and multi["iterations"] == [7] * 2
+    np.testing.assert_allclose(multi["loss"], single["loss"], rtol=2e-2)
+    for replicas, (reference,) in zip(multi["weights"], single["weights"]):
+        np.testing.assert_array_equal(replicas[0], replicas[1])
+        np.testing.assert_allclose(replicas[0], reference, rtol=2e-2, atol=2e-3)

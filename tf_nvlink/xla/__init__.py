@@ -35,9 +35,10 @@ Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`;
   per replica.
 - `TensorFlowTrainer._resolve_auto_jit_compile` (replaced): Keras turns "auto" XLA off under any strategy.
 - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced; pass-through unless a per-replica step is being
-  traced in this thread): catch the update (split) or keep step counters per replica (fused) in custom loops.
-- `optimizer.apply` / `optimizer.check_finite` (instance attributes, only while one replica's step is traced):
-  fit's split catch; LossScaleOptimizer's finite check all-reduced in fused mode.
+  traced in this thread): catch the update (split) or keep step counters per replica (fused) in custom loops;
+  an optimizer not built yet stops that trace and is built outside it (`optimizer.build`, `optimizer.built`).
+- `optimizer.apply` / `optimizer.check_finite` (instance attributes, only while one replica's step is traced or
+  its update applied): fit's split catch; LossScaleOptimizer's finite check all-reduced (both modes).
 - `optimizer._trainable_variables`, a mirrored variable's `_value` and `_get_on_device_or_primary()`
   (`_replica_local`): the replica's own copy of an ONLY_FIRST_REPLICA counter.
 - `tf.function`'s `python_function`, `_jit_compile`, `_autograph`: recompile a user's jit function per replica.

@@ -146,8 +146,11 @@ def _install_optimizer_hooks() -> None:
 
         def apply(self, grads, trainable_variables=None, _original=original):
             mode = getattr(_TRACING, "mode", None)
-            if mode is None or getattr(_TRACING, "depth", 0):
+            if getattr(_TRACING, "depth", 0):
                 return _original(self, grads, trainable_variables)
+            if mode is None:  # any update under a tf_nvlink strategy: fit with or without XLA, split updates
+                with _agreed_finite_check(self) if _under_tf_nvlink(self) else contextlib.nullcontext():
+                    return _original(self, grads, trainable_variables)
             if not self.built and trainable_variables is not None:
                 error = OptimizerNotBuiltWhileTracing(f"optimizer {self.name!r} is not built yet")
                 error.optimizer, error.variables = self, list(trainable_variables)
@@ -208,13 +211,18 @@ def _optimizer_calls(mode: str):
         _TRACING.mode, _TRACING.caught, _TRACING.depth = saved
 
 
+def _under_tf_nvlink(optimizer) -> bool:
+    return hasattr(getattr(optimizer, "_distribution_strategy", None), "_tf_nvlink_plan")
+
+
 @contextlib.contextmanager
 def _agreed_finite_check(optimizer):
     """LossScaleOptimizer: every replica skips or applies the step together, on all replicas' gradients.
 
     Keras checks the gradients for inf/NaN before they are all-reduced: with merge_call (split mode) it keeps
     replica 0's verdict for all ("Each replica computed the same `finite` value, since `grads` is all-reduced",
-    which it is not), so an overflow on another replica reaches the all-reduced update (NaN weights); without
+    which it is not), so an overflow on another replica reaches the all-reduced update (NaN weights: seen in
+    fit without XLA and in split mode, on 2 CPU replicas; stock MirroredStrategy does the same); without
     merge_call (fused mode) each replica decides alone, and one that skips leaves the others' all-reduce waiting.
     The check is all-reduced instead: the step is applied only when every replica's gradients are finite, which
     is when the all-reduced gradients are. Replica threads take turns while tracing, so the override reads the

@@ -9,9 +9,9 @@ from typing import Any, Callable
 import tensorflow as tf
 
 import tf_nvlink.xla.private as private
-from tf_nvlink.xla.private import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, _agreed_finite_check,
-                                   _merge_call_explained, _only_first_replica_variables, _optimizer_calls,
-                                   _replica_id, _replica_local, build_optimizer)
+from tf_nvlink.xla.private import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, _merge_call_explained,
+                                   _only_first_replica_variables, _optimizer_calls, _replica_id, _replica_local,
+                                   build_optimizer)
 
 
 class PerReplicaXlaStep:
@@ -41,7 +41,7 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            with _replica_local(_only_first_replica_variables(optimizer)), _agreed_finite_check(optimizer):
+            with _replica_local(_only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
                 return step_function(data)
 
         return body
@@ -94,8 +94,7 @@ class PerReplicaXlaStep:
         variables = [v for _, v in self._applied_variables[replica_id]]
         if variables:
             # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
-            with _agreed_finite_check(self.model.optimizer):
-                self.model.optimizer.apply(grads, variables)
+            self.model.optimizer.apply(grads, variables)
         return logs
 
 
@@ -191,8 +190,7 @@ class PerReplicaCustomStep:
                     self._compiled.pop(replica_id, None)
         for (optimizer, variables), call_grads in zip(self._updates.get(replica_id, ()), grads):
             # Outside XLA: the optimizer all-reduces through the strategy's cross-device ops, then updates.
-            with _agreed_finite_check(optimizer):
-                optimizer.apply(call_grads, variables)
+            optimizer.apply(call_grads, variables)
         return outputs
 
 
