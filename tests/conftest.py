@@ -42,3 +42,41 @@ def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):
     full_env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.update(env or {})
     return subprocess.run(args, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+# Source text for the subprocess scripts that check tf_nvlink's fused XLA mode on CPU: prepend it to a script,
+# then call `fused_strategy_emulated_on_cpu()` (after configuring the logical CPUs) instead of tf_nvlink.strategy().
+FUSED_CPU_EMULATION = r'''
+def fused_strategy_emulated_on_cpu(devices=("/cpu:0", "/cpu:1")):
+    """A tf_nvlink strategy in fused XLA mode on CPU replicas, without XLA itself (XLA on CPU cannot compile
+    collectives): TensorFlow's no-merge_call path, which it takes under XLA on all-GPU replicas, is switched on,
+    and the per-replica functions (fit's PerReplicaXlaStep, custom loops' PerReplicaCustomStep) are built exactly
+    as in fused mode but without jit. Call it once per process, before building models."""
+    import dataclasses
+    import tensorflow as tf
+    from tensorflow.python.distribute import mirrored_strategy
+    import tf_nvlink
+    from tf_nvlink import xla
+
+    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
+    xla.private.fused_allreduce_possible = lambda strategy: True
+
+    def fit_step_without_jit(self, replica_id):
+        with self._lock:
+            if replica_id not in self._compiled:
+                fn = self._fused_body() if self.kind == "train" else self.step_function
+                self._compiled[replica_id] = tf.function(fn, autograph=False)
+            return self._compiled[replica_id]
+
+    def custom_step_without_jit(self, replica_id):
+        with self._lock:
+            if replica_id not in self._compiled:
+                self._compiled[replica_id] = tf.function(self._body(replica_id), autograph=self.autograph)
+            return self._compiled[replica_id]
+
+    xla.PerReplicaXlaStep._compiled_for = fit_step_without_jit
+    xla.PerReplicaCustomStep._compiled_for = custom_step_without_jit
+    strategy = tf_nvlink.strategy(devices=list(devices), cross_device_ops="collective")
+    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+    return strategy
+'''

@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_python
+from conftest import FUSED_CPU_EMULATION, run_python
 
-_SCRIPT = r"""
+_SCRIPT = FUSED_CPU_EMULATION + r"""
 import json, os, sys, tempfile
 import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -33,20 +33,8 @@ original_init = xla.PerReplicaXlaStep.__init__
 def spy(self, *args, **kwargs):
     original_init(self, *args, **kwargs); made.append(self)
 xla.PerReplicaXlaStep.__init__ = spy
-if mode == "fused":  # fused mode's logic without XLA (tests/test_xla.py explains this emulation)
-    from tensorflow.python.distribute import mirrored_strategy
-    import dataclasses
-    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
-    xla.private.fused_allreduce_possible = lambda strategy: True
-    def compiled_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                fn = self._fused_body() if self.kind == "train" else self.step_function
-                self._compiled[replica_id] = tf.function(fn, autograph=False)
-            return self._compiled[replica_id]
-    xla.PerReplicaXlaStep._compiled_for = compiled_without_jit
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], cross_device_ops="collective")
-    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+if mode == "fused":  # fused mode's logic without XLA (conftest.FUSED_CPU_EMULATION)
+    strategy = fused_strategy_emulated_on_cpu()
 else:
     strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 with strategy.scope():

@@ -11,7 +11,7 @@ import json
 import numpy as np
 
 
-from conftest import run_python
+from conftest import FUSED_CPU_EMULATION, run_python
 
 _PRELUDE = r"""
 import json, sys
@@ -160,22 +160,10 @@ def test_fused_mode_semantics_match_single_device_training():
     path, which it takes under XLA on GPUs, is switched on for CPU replicas, and the per-replica functions are
     built exactly as in fused mode but without jit. Gradients all-reduced in replica context, the optimizer
     applied per replica, and the replica-local `iterations` counters must reproduce single-device training."""
-    script = _PRELUDE + r"""
+    script = _PRELUDE + FUSED_CPU_EMULATION + r"""
 mode = sys.argv[1]
 if mode == "fused":
-    from tensorflow.python.distribute import mirrored_strategy
-    import dataclasses
-    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False  # as under XLA on all-GPU replicas
-    xla.private.fused_allreduce_possible = lambda strategy: True
-    def compiled_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                fn = self._fused_body() if self.kind == "train" else self.step_function
-                self._compiled[replica_id] = tf.function(fn, autograph=False)
-            return self._compiled[replica_id]
-    xla.PerReplicaXlaStep._compiled_for = compiled_without_jit
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], cross_device_ops="collective")
-    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+    strategy = fused_strategy_emulated_on_cpu()
 else:
     strategy = tf.distribute.get_strategy()
 with strategy.scope():

@@ -11,26 +11,17 @@ import json
 
 import numpy as np
 
-from conftest import run_python
+from conftest import FUSED_CPU_EMULATION, run_python
 
-_SCRIPT = r"""
+_SCRIPT = FUSED_CPU_EMULATION + r"""
 import json, sys
 import numpy as np, tensorflow as tf
 mode = sys.argv[1]
-import keras, tf_nvlink
-from tf_nvlink import xla
-if mode != "single":
-    from tensorflow.python.distribute import mirrored_strategy
-    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False  # as under XLA on GPU replicas
-    xla.private.fused_allreduce_possible = lambda strategy: True  # "every replica is a GPU"
+import dataclasses, keras
 if mode == "fused":
-    def compiled_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self._body(replica_id), autograph=self.autograph)
-            return self._compiled[replica_id]
-    xla.PerReplicaCustomStep._compiled_for = compiled_without_jit
-    strategy = tf_nvlink.strategy(devices=["/cpu:0"])
+    strategy = fused_strategy_emulated_on_cpu(devices=("/cpu:0",))
+    # the plan says "split" (as for fit on one GPU): one replica must still get the fused per-replica step
+    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="split")
 else:
     strategy = tf.distribute.get_strategy()
 with strategy.scope():

@@ -34,10 +34,13 @@ Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`;
 - `TensorFlowTrainer._make_function` (replaced): keep XLA off the function spanning the replicas, run the step
   per replica.
 - `TensorFlowTrainer._resolve_auto_jit_compile` (replaced): Keras turns "auto" XLA off under any strategy.
-- `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced; pass-through unless a per-replica step is being
-  traced in this thread): catch the update (split) or keep step counters per replica (fused) in custom loops.
-- `optimizer.apply` / `optimizer.check_finite` (instance attributes, only while one replica's step is traced):
-  fit's split catch; LossScaleOptimizer's finite check all-reduced in fused mode.
+- `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced): while a per-replica custom-loop step is traced
+  in this thread, catch the update (split) or keep step counters per replica (fused); an optimizer not built
+  yet stops that trace and is built outside it (`optimizer.build`, `optimizer.built`). Otherwise pass-through,
+  except that a LossScaleOptimizer under a tf_nvlink strategy all-reduces its finite check (Keras keeps
+  replica 0's, so another replica's overflow reached the weights as NaN).
+- `optimizer.apply` / `optimizer.check_finite` (instance attributes, only while one replica's step is traced or
+  its update applied): fit's split catch; the all-reduced finite check.
 - `optimizer._trainable_variables`, a mirrored variable's `_value` and `_get_on_device_or_primary()`
   (`_replica_local`): the replica's own copy of an ONLY_FIRST_REPLICA counter.
 - `tf.function`'s `python_function`, `_jit_compile`, `_autograph`: recompile a user's jit function per replica.

@@ -146,8 +146,15 @@ def _install_optimizer_hooks() -> None:
 
         def apply(self, grads, trainable_variables=None, _original=original):
             mode = getattr(_TRACING, "mode", None)
-            if mode is None or getattr(_TRACING, "depth", 0):
+            if getattr(_TRACING, "depth", 0):
                 return _original(self, grads, trainable_variables)
+            if mode is None:  # any update under a tf_nvlink strategy: fit with or without XLA, split updates
+                with _agreed_finite_check(self) if _under_tf_nvlink(self) else contextlib.nullcontext():
+                    return _original(self, grads, trainable_variables)
+            if not self.built and trainable_variables is not None:
+                error = OptimizerNotBuiltWhileTracing(f"optimizer {self.name!r} is not built yet")
+                error.optimizer, error.variables = self, list(trainable_variables)
+                raise error
             if mode == "catch":
                 _TRACING.caught.append((self, list(grads), trainable_variables))
                 return None
@@ -159,6 +166,36 @@ def _install_optimizer_hooks() -> None:
                 _TRACING.depth = 0
 
         cls.apply = apply
+
+
+class OptimizerNotBuiltWhileTracing(Exception):  # noqa: N818 - a signal to the step, not an error for users
+    """An optimizer without variables was reached while one replica's copy of a custom-loop step was traced.
+
+    Keras builds an optimizer in its first `apply`, so the step would create its variables: in split mode the
+    trace would hold constants for them (LossScaleOptimizer's `initial_scale` in place of `dynamic_scale`, so the
+    scale never changed), in fused mode TensorFlow's variable-initialisation cond ("You must feed a value for
+    placeholder tensor ... cond/Placeholder"). `PerReplicaCustomStep` stops that trace, builds the optimizer
+    outside it (`build_optimizer(error.optimizer, error.variables)`) and traces again. No own __init__: AutoGraph
+    re-raises such exceptions as the same type (others become a StagingError), though as a new object."""
+
+    optimizer = None
+    variables: list = []
+
+
+def build_optimizer(optimizer, variables: list) -> None:
+    """From one replica of a step (not inside XLA): build `optimizer` on `variables` as Keras' `apply` does when
+    first called, but eagerly in the strategy's cross-replica context, as `model.fit` does. Every replica must
+    call it (a merge_call): they all stop at the same unbuilt optimizer. Variables created while a function is
+    traced would make TensorFlow initialise them in a cond, which fails on MirroredStrategy's no-merge_call path."""
+    import keras  # noqa: PLC0415
+
+    def build(strategy):
+        if not optimizer.built:
+            with tf.init_scope(), strategy.scope(), keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(variables)
+            optimizer.built = True
+
+    tf.distribute.get_replica_context().merge_call(build)
 
 
 @contextlib.contextmanager
@@ -174,29 +211,39 @@ def _optimizer_calls(mode: str):
         _TRACING.mode, _TRACING.caught, _TRACING.depth = saved
 
 
+def _under_tf_nvlink(optimizer) -> bool:
+    return hasattr(getattr(optimizer, "_distribution_strategy", None), "_tf_nvlink_plan")
+
+
 @contextlib.contextmanager
 def _agreed_finite_check(optimizer):
-    """Fused mode, LossScaleOptimizer: every replica skips or applies the step together.
+    """LossScaleOptimizer: every replica skips or applies the step together, on all replicas' gradients.
 
-    Without merge_call each replica checks its own (not yet all-reduced) gradients for inf/NaN; the replicas
-    could disagree, and a replica that skips would leave the others' all-reduce waiting. The check is
-    all-reduced instead: the step is applied only when every replica's gradients are finite."""
-    check_finite = getattr(optimizer, "check_finite", None)
+    Keras checks the gradients for inf/NaN before they are all-reduced: with merge_call (split mode) it keeps
+    replica 0's verdict for all ("Each replica computed the same `finite` value, since `grads` is all-reduced",
+    which it is not), so an overflow on another replica reaches the all-reduced update (NaN weights: seen in
+    fit without XLA and in split mode, on 2 CPU replicas; stock MirroredStrategy does the same); without
+    merge_call (fused mode) each replica decides alone, and one that skips leaves the others' all-reduce waiting.
+    The check is all-reduced instead: the step is applied only when every replica's gradients are finite, which
+    is when the all-reduced gradients are. Replica threads take turns while tracing, so the override reads the
+    replica context when it is called and the class's own check."""
     context = tf.distribute.get_replica_context()
-    if check_finite is None or not hasattr(optimizer, "inner_optimizer") or context is None \
-            or context.num_replicas_in_sync < 2:
+    if not hasattr(optimizer, "inner_optimizer") or not hasattr(type(optimizer), "check_finite") \
+            or context is None or context.num_replicas_in_sync < 2:
         yield
         return
+    check_finite = type(optimizer).check_finite
 
     def agreed(grads):
-        not_finite = tf.cast(tf.logical_not(check_finite(grads)), tf.float32)
-        return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, not_finite), 0.0)
+        not_finite = tf.cast(tf.logical_not(check_finite(optimizer, grads)), tf.float32)
+        replica = tf.distribute.get_replica_context()  # split mode: a replica of Keras' merge_call
+        return tf.equal(replica.all_reduce(tf.distribute.ReduceOp.SUM, not_finite), 0.0)
 
     optimizer.check_finite = agreed
     try:
         yield
     finally:
-        del optimizer.check_finite
+        optimizer.__dict__.pop("check_finite", None)
 
 
 def unrolled_steps_function(model, step_function):

@@ -9,8 +9,9 @@ from typing import Any, Callable
 import tensorflow as tf
 
 import tf_nvlink.xla.private as private
-from tf_nvlink.xla.private import (UnsupportedKerasError, _agreed_finite_check, _merge_call_explained,
-                                   _only_first_replica_variables, _optimizer_calls, _replica_id, _replica_local)
+from tf_nvlink.xla.private import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, _merge_call_explained,
+                                   _only_first_replica_variables, _optimizer_calls, _replica_id, _replica_local,
+                                   build_optimizer)
 
 
 class PerReplicaXlaStep:
@@ -40,7 +41,7 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            with _replica_local(_only_first_replica_variables(optimizer)), _agreed_finite_check(optimizer):
+            with _replica_local(_only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
                 return step_function(data)
 
         return body
@@ -122,20 +123,29 @@ class PerReplicaCustomStep:
         self.autograph = autograph
         self._compiled: dict[int, Any] = {}
         self._updates: dict[int, list] = {}  # replica -> [(optimizer, variables or None)] of the traced calls
+        self._unbuilt: dict[int, tuple] = {}  # replica -> (optimizer, variables) that stopped its last trace
         self._lock = threading.Lock()
 
     def _body(self, replica_id: int) -> Callable:
         python_function = self.python_function
+        unbuilt = self._unbuilt
+
+        def traced(mode, args, kwargs):
+            try:
+                with _optimizer_calls(mode) as caught:
+                    return python_function(*args, **kwargs), caught
+            except OptimizerNotBuiltWhileTracing as error:  # the original: AutoGraph re-raises a copy
+                unbuilt[replica_id] = (error.optimizer, error.variables)
+                raise
+
         if self.mode == "fused":
             def fused(*args, **kwargs):
-                with _optimizer_calls("replica_local"):
-                    return python_function(*args, **kwargs)
+                return traced("replica_local", args, kwargs)[0]
 
             return fused
 
         def split(*args, **kwargs):
-            with _optimizer_calls("catch") as caught:
-                outputs = python_function(*args, **kwargs)
+            outputs, caught = traced("catch", args, kwargs)
             updates, grads = [], []
             for optimizer, call_grads, variables in caught:
                 variables = None if variables is None else list(variables)
@@ -166,11 +176,18 @@ class PerReplicaCustomStep:
 
     def __call__(self, *args, **kwargs):
         replica_id = _replica_id()
-        compiled = self._compiled_for(replica_id)
-        if self.mode == "fused":
-            return compiled(*args, **kwargs)
-        with _merge_call_explained():
-            outputs, grads = compiled(*args, **kwargs)
+        while True:
+            compiled = self._compiled_for(replica_id)
+            try:
+                if self.mode == "fused":
+                    return compiled(*args, **kwargs)
+                with _merge_call_explained():
+                    outputs, grads = compiled(*args, **kwargs)
+                break
+            except OptimizerNotBuiltWhileTracing:  # build it here, outside the step, and trace again
+                build_optimizer(*self._unbuilt.pop(replica_id))
+                with self._lock:
+                    self._compiled.pop(replica_id, None)
         for (optimizer, variables), call_grads in zip(self._updates.get(replica_id, ()), grads):
             # Outside XLA: the optimizer all-reduces through the strategy's cross-device ops, then updates.
             optimizer.apply(call_grads, variables)
