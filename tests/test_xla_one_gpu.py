@@ -64,3 +64,26 @@ def test_one_gpu_custom_loop_with_jit_step_runs_fused_and_equals_single_device()
     for a, b in zip(single["weights"], fused["weights"]):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
+
+
+def test_sparse_gradients_are_made_dense_inside_xla_only():
+    """Embedding layers give tf.IndexedSlices gradients, whose all-reduce is an all-gather XLA cannot compile
+    ("No registered 'CollectiveGatherV2' OpKernel for XLA_GPU_JIT": a Transformer LM's jit fit on 1x H200). The
+    optimizer hook makes them dense inside XLA, and only there (split mode all-reduces them outside XLA)."""
+    import tensorflow as tf
+
+    from tf_nvlink.xla import private
+
+    seen = {}
+
+    @tf.function(jit_compile=True)
+    def inside(values):
+        grads = private.dense_gradients_in_xla([tf.IndexedSlices(values, tf.constant([0, 2]), tf.constant([4, 3]))])
+        seen["type"] = type(grads[0]).__name__
+        return grads[0]
+
+    dense = inside(tf.ones((2, 3))).numpy()
+    assert seen["type"] != "IndexedSlices"
+    np.testing.assert_array_equal(dense, [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]])
+    sparse = tf.IndexedSlices(tf.ones((2, 3)), tf.constant([0, 2]), tf.constant([4, 3]))
+    assert private.dense_gradients_in_xla([sparse])[0] is sparse  # outside XLA: unchanged

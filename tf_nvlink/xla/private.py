@@ -149,8 +149,10 @@ def _install_optimizer_hooks() -> None:
             if getattr(_TRACING, "depth", 0):
                 return _original(self, grads, trainable_variables)
             if mode is None:  # any update under a tf_nvlink strategy: fit with or without XLA, split updates
-                with _agreed_finite_check(self) if _under_tf_nvlink(self) else contextlib.nullcontext():
+                if not _under_tf_nvlink(self):
                     return _original(self, grads, trainable_variables)
+                with _agreed_finite_check(self):
+                    return _original(self, dense_gradients_in_xla(grads), trainable_variables)
             if not self.built and trainable_variables is not None:
                 error = OptimizerNotBuiltWhileTracing(f"optimizer {self.name!r} is not built yet")
                 error.optimizer, error.variables = self, list(trainable_variables)
@@ -161,7 +163,7 @@ def _install_optimizer_hooks() -> None:
             _TRACING.depth = 1
             try:
                 with _replica_local(_only_first_replica_variables(self)), _agreed_finite_check(self):
-                    return _original(self, grads, trainable_variables)
+                    return _original(self, dense_gradients_in_xla(grads), trainable_variables)
             finally:
                 _TRACING.depth = 0
 
@@ -209,6 +211,17 @@ def _optimizer_calls(mode: str):
         yield _TRACING.caught
     finally:
         _TRACING.mode, _TRACING.caught, _TRACING.depth = saved
+
+
+def dense_gradients_in_xla(grads):
+    """Inside XLA, sparse gradients (tf.IndexedSlices, from Embedding layers) made dense; elsewhere unchanged.
+
+    An all-reduce of IndexedSlices is an all-gather (CollectiveGatherV2), which XLA cannot compile: on 1x H200 a
+    Transformer LM's jit-compiled fit under a one-GPU tf_nvlink strategy failed with "No registered
+    'CollectiveGatherV2' OpKernel for XLA_GPU_JIT". A dense all-reduce is what XLA compiles (and combines)."""
+    if not _in_xla_context():
+        return grads
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
 def _under_tf_nvlink(optimizer) -> bool:
