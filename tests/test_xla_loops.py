@@ -106,6 +106,16 @@ def _train(mode, run="float32"):
     return _RESULTS[mode][run]
 
 
+def _script_result(script, key, run):
+    """The JSON line `script` prints when run as `run`: one process per (script, run), reused across tests."""
+    cache = _RESULTS.setdefault(key, {})
+    if run not in cache:
+        proc = _run_script(script, run)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cache[run] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return cache[run]
+
+
 def _assert_matches_single_device(multi, single, rtol=2e-3, atol=2e-4):
     for replicas, (reference,) in zip(multi["weights"], single["weights"]):
         assert len(replicas) == 2
@@ -247,14 +257,7 @@ def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_executio
     1), then evaluate and predict: under tf_nvlink with XLA each equals single-device Keras. Fused mode runs the
     steps unrolled (`xla.private.unrolled_steps_function`): Keras' multi-step while loop fails in TensorFlow's
     no-merge_call path, which fused mode takes on GPUs (seen on 2x H200; the emulation here reproduces it)."""
-    results = {}
-    for run in ("single", mode):
-        if run not in _RESULTS.setdefault("fit", {}):
-            proc = _run_script(_FIT_SCRIPT, run)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            _RESULTS["fit"][run] = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[run] = _RESULTS["fit"][run]
-    single, multi = results["single"], results[mode]
+    single, multi = _script_result(_FIT_SCRIPT, "fit", "single"), _script_result(_FIT_SCRIPT, "fit", mode)
     assert single["iterations"] == [8] and multi["iterations"] == [8, 8]  # 128 / 32 x 2 epochs, every replica
     np.testing.assert_allclose(multi["loss"], single["loss"], rtol=2e-3)
     for a, b in zip(single["weights"], multi["weights"]):
@@ -302,14 +305,8 @@ def test_mixed_precision_fit_skips_overflowing_steps_on_every_replica(mode):
     above: the same 5 of 12 steps skipped as on one device, the same weights. Keras' own update (fit without XLA,
     split mode's update) kept replica 0's finite check for every replica: at step 2 only replica 1 overflowed and
     the update made every weight NaN (measured on 2 CPU replicas before tf_nvlink all-reduced the check)."""
-    results = {}
-    for run in ("single", mode):
-        if run not in _RESULTS.setdefault("mixed_fit", {}):
-            proc = _run_script(_MIXED_FIT_SCRIPT, run)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            _RESULTS["mixed_fit"][run] = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[run] = _RESULTS["mixed_fit"][run]
-    single, multi = results["single"], results[mode]
+    single = _script_result(_MIXED_FIT_SCRIPT, "mixed_fit", "single")
+    multi = _script_result(_MIXED_FIT_SCRIPT, "mixed_fit", mode)
     assert single["dynamic_scale"] == [2.0 ** 15] and single["iterations"] == [7]
     assert multi["dynamic_scale"] == [2.0 ** 15] * 2 and multi["iterations"] == [7] * 2
     np.testing.assert_allclose(multi["loss"], single["loss"], rtol=2e-2)
