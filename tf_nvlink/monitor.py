@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from tf_nvlink import devices, nvml as nvml_module
 from tf_nvlink.nvlink_traffic import (expected_allreduce_bytes, gradient_bytes, per_gpu_bytes, per_gpu_gbps,
-                                      traffic_delta, verdict)
+                                      traffic_delta, unreadable_reasons, verdict)
 from tf_nvlink.nvml import NvLinkCounterReader
 
 log = logging.getLogger("tf_nvlink")
@@ -139,14 +139,17 @@ class _BatchSampler:
             finally:
                 self._requests.task_done()
 
-    def drain(self, restart_from: Optional[dict] = None) -> list:
+    def drain(self) -> list:
         """Waits for a pending read; returns the samples taken since the last drain, oldest first."""
         self._requests.join()
         with self._lock:
             done, self._done = self._done, []
-            if restart_from is not None:
-                self._last = restart_from
         return done
+
+    def restart_from(self, counters: dict) -> None:
+        """The next sample counts from `counters` (the epoch-end read), not from the last sample."""
+        with self._lock:
+            self._last = counters
 
     def close(self) -> None:
         self._requests.join()
@@ -241,11 +244,11 @@ def _make_callback_class():
             reader = NvLinkCounterReader(gpus, self.nvml, payload_only=True).open()
             if reader.error or len(reader.readable) < 2:
                 reader.close()
-                reasons = "; ".join(f"GPU {g}: {w}" for g, w in sorted(reader.unavailable.items()))
-                return reader.error or f"fewer than 2 of GPUs {list(gpus)} have readable counters ({reasons})"
+                return reader.error or (f"fewer than 2 of GPUs {list(gpus)} have readable counters "
+                                        f"({unreadable_reasons(reader)})")
             if reader.unavailable:
                 log.warning("NVLinkMonitor: watching GPUs %s only; %s", list(reader.readable),
-                            "; ".join(f"GPU {g}: {w}" for g, w in sorted(reader.unavailable.items())))
+                            unreadable_reasons(reader))
             self._reader = reader
             self.expected_bytes_per_step = expected_allreduce_bytes(
                 gradient_bytes(self.model.trainable_variables, self.gradient_dtype), max(replicas, 1))
@@ -270,10 +273,10 @@ def _make_callback_class():
             if self._sampler is not None and batch and batch % self.every_n_batches == 0:
                 self._sampler.request(self._epoch, batch, self._global_batch + batch)
 
-        def _collect_batch_samples(self, restart_from: Optional[dict] = None) -> None:
+        def _collect_batch_samples(self) -> None:
             if self._sampler is None:
                 return
-            for epoch, batch, step, traffic in self._sampler.drain(restart_from):
+            for epoch, batch, step, traffic in self._sampler.drain():
                 self.batch_gbps.append((epoch, batch, {g: (t.tx_gbps, t.rx_gbps) for g, t in traffic.items()}))
                 self._write(traffic, "nvlink_batch", step)
             self.background_read_seconds = list(self._sampler.read_seconds)
@@ -282,10 +285,11 @@ def _make_callback_class():
         def on_epoch_end(self, epoch, logs=None):
             if self._reader is None:
                 return
-            self._collect_batch_samples()
+            self._collect_batch_samples()  # waits for a pending batch read, so the end read comes after it
             end = self._read()
             traffic, self._last = traffic_delta(self._last, end), end
-            self._collect_batch_samples(restart_from=end)
+            if self._sampler is not None:
+                self._sampler.restart_from(end)
             if not traffic:
                 return
             steps = int(self.params.get("steps") or self._batches or 1)

@@ -215,6 +215,11 @@ def sample_nvlink_bytes(gpus: Optional[Iterable[int]] = None, nvml: Any = None) 
         return reader.read()
 
 
+def unreadable_reasons(reader: NvLinkCounterReader) -> str:
+    """Why some of `reader`'s GPUs give no counters, as "GPU i: why; ..." ("" when every GPU does)."""
+    return "; ".join(f"GPU {g}: {why}" for g, why in sorted(reader.unavailable.items()))
+
+
 class TrafficSample(NamedTuple):
     seconds: float  # the interval asked for
     traffic: dict  # {gpu: GpuTraffic}
@@ -331,7 +336,7 @@ def watch_traffic(seconds: float, count: int = 0, gpus: Optional[Iterable[int]] 
     sleep = sleep or time.sleep
     with NvLinkCounterReader(gpus, nvml, payload_only=True) as reader:
         if not reader.readable:
-            why = reader.error or "; ".join(f"GPU {g}: {w}" for g, w in sorted(reader.unavailable.items()))
+            why = reader.error or unreadable_reasons(reader)
             write(json.dumps({"error": why}) if as_json else f"NVLink traffic: unavailable because {why or 'no GPU'}")
             return 1
         if not as_json:
@@ -363,13 +368,13 @@ def traffic_command_from_args(args) -> int:
         print("tf-nvlink report: error: --nvlink_watch needs --nvlink_traffic SECONDS, the interval. "
               f"Received: --nvlink_watch {args.nvlink_watch} alone", file=sys.stderr)
         return 2
-    return traffic_command(args.nvlink_traffic, as_json=args.json, watch=args.nvlink_watch)
+    if args.nvlink_watch is not None:
+        return watch_traffic(args.nvlink_traffic, args.nvlink_watch, as_json=args.json)
+    return traffic_command(args.nvlink_traffic, as_json=args.json)
 
 
-def traffic_command(seconds: float, as_json: bool = False, watch: Optional[int] = None) -> int:
-    """Print one NVLink traffic sample (or `watch` lines); 0 when a GPU was measured, else 1 (the reason printed)."""
-    if watch is not None:
-        return watch_traffic(seconds, watch, as_json=as_json)
+def traffic_command(seconds: float, as_json: bool = False) -> int:
+    """Print one NVLink traffic sample; 0 when at least one GPU was measured, else 1 (the reason is printed)."""
     sample = sample_traffic(seconds)
     if as_json:
         import json  # noqa: PLC0415

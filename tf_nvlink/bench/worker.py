@@ -140,7 +140,7 @@ def _nvlink_reader(plan, n: int, cpu: bool, nvml=None):
     reader = NvLinkCounterReader(plan.gpus, nvml, payload_only=True).open()
     if reader.error or len(reader.readable) < 2:
         reader.close()
-        return None, reader.error or "; ".join(f"GPU {g}: {why}" for g, why in sorted(reader.unavailable.items()))
+        return None, reader.error or nvlink_traffic.unreadable_reasons(reader)
     return reader, None
 
 
