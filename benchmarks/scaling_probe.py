@@ -161,7 +161,8 @@ def summarize_trace(logdir, steps):
                 "d2h_ms_per_step": _union(kinds["d2h"]) / ps_per_ms / steps,
                 "d2d_ms_per_step": _union(kinds["d2d"]) / ps_per_ms / steps,
                 "top_kernels": [(k, n, round(d / ps_per_ms / steps, 3)) for (k, n), d in
-                                kernel_names.most_common(8)],
+                                kernel_names.most_common(15)],
+                "events_per_step": round(len(everything) / steps, 1),
             }
             result["gpus"][plane.name] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items()}
         elif plane.name.startswith("/host:CPU"):
@@ -208,13 +209,15 @@ def main():
                         help="of auto: host, buffer1, buffer4, device, nosync (BatchNorm statistics not averaged across "
                              "replicas), monitor (NVLinkMonitor, default), monitor1 (NVLinkMonitor reading every "
                              "batch in its thread), async (1gpu and auto with "
-                             "Keras' async batch-end callbacks), spe8 (1gpu with steps_per_execution=8)")
+                             "Keras' async batch-end callbacks), spe8 (1gpu with steps_per_execution=8), onedevice "
+                             "(TensorFlow's OneDeviceStrategy on GPU:0: a strategy without replicas' machinery)")
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "transformer", "tiny"))
     parser.add_argument("--allreduce_dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--xla_allreduce", default="auto", choices=("auto", "fused", "split"))
     parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option, both setups")
-    parser.add_argument("--profile", default="", help="trace 1gpu and auto (host input) into this directory")
+    parser.add_argument("--profile", default="", help="trace 1gpu, the first auto setup and 1gpu/onedevice into "
+                                                       "this directory")
     parser.add_argument("--profile_steps", type=int, default=10)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
@@ -283,6 +286,10 @@ def main():
         with tf.device(plan.devices[0] if plan.devices else "/cpu:0"):
             one8 = build_model(keras, args.model, args.image, 8)
         setups.insert(1, ("1gpu/spe8", one8, host_dataset(per_gpu), per_gpu, []))
+    if "onedevice" in variants:  # a strategy scope with no mirrored variables and no all-reduce
+        with tf.distribute.OneDeviceStrategy(plan.devices[0] if plan.devices else "/cpu:0").scope():
+            single = build_model(keras, args.model, args.image, args.steps_per_execution)
+        setups.insert(1, ("1gpu/onedevice", single, host_dataset(per_gpu), per_gpu, []))
     if "monitor" in variants:  # the default: reads when training begins and at each epoch end
         setups.append(("auto/monitor", multi, multi_host, global_batch, [tf_nvlink.NVLinkMonitor()]))
     if "monitor1" in variants:  # plus a background read every batch
@@ -363,7 +370,8 @@ def main():
 
     profiles = {}
     if args.profile:
-        for name, model, ds, _, _ in setups[:2]:
+        first_auto = next(s for s in setups if s[0].startswith("auto"))
+        for name, model, ds, _, _ in [setups[0], first_auto] + [s for s in setups if s[0] == "1gpu/onedevice"]:
             logdir = os.path.join(args.profile, name.replace("/", "_"))
             tf.profiler.experimental.start(logdir)
             model.fit(ds, steps_per_epoch=args.profile_steps, epochs=1, verbose=0)
