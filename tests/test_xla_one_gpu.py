@@ -66,12 +66,12 @@ def test_one_gpu_custom_loop_with_jit_step_runs_fused_and_equals_single_device()
 
 
 
-def test_sparse_gradients_are_made_dense_inside_xla_only():
+def test_sparse_gradients_are_made_dense_inside_xla_only(tf):
     """Embedding layers give tf.IndexedSlices gradients, whose all-reduce is an all-gather XLA cannot compile
     ("No registered 'CollectiveGatherV2' OpKernel for XLA_GPU_JIT": a Transformer LM's jit fit on 1x H200). The
-    optimizer hook makes them dense inside XLA, and only there (split mode all-reduces them outside XLA)."""
-    import tensorflow as tf
-
+    optimizer hook makes them dense inside XLA, and only there (split mode all-reduces them outside XLA).
+    The `tf` fixture: TensorFlow's devices are configured before this test runs a function (later tests in
+    the same process, e.g. tests/test_strategy.py, count on the logical CPUs)."""
     from tf_nvlink.xla import private
 
     seen = {}
@@ -87,3 +87,52 @@ def test_sparse_gradients_are_made_dense_inside_xla_only():
     np.testing.assert_array_equal(dense, [[1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0]])
     sparse = tf.IndexedSlices(tf.ones((2, 3)), tf.constant([0, 2]), tf.constant([4, 3]))
     assert private.dense_gradients_in_xla([sparse])[0] is sparse  # outside XLA: unchanged
+
+
+_FIT_SCRIPT = FUSED_CPU_EMULATION + r"""
+import collections, json, sys
+import numpy as np, tensorflow as tf
+mode = sys.argv[1]
+import keras
+from tf_nvlink import xla
+if mode == "plain":
+    strategy = tf.distribute.get_strategy()
+else:
+    strategy = fused_strategy_emulated_on_cpu(devices=("/cpu:0",))  # TensorFlow's path on one GPU under XLA
+    if mode == "keras_allreduce":
+        xla.allreduce.uninstall_gradient_allreduce_hook()
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+graph_ops = collections.Counter()
+import gc
+for obj in gc.get_objects():
+    if type(obj).__name__ == "Function" and getattr(obj, "_name", "") == "multi_step_on_iterator":
+        for concrete in obj._list_all_concrete_functions():
+            graph = concrete.graph.as_graph_def()
+            for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+                graph_ops[node.op] += 1
+print(json.dumps({"loss": history.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
+                  "collectives": graph_ops["CollectiveReduceV2"], "concats": graph_ops["ConcatV2"]}))
+"""
+
+
+def _fit(mode):
+    proc = run_python(["-c", _FIT_SCRIPT, mode], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_one_replica_fit_skips_the_all_reduce_and_equals_plain_keras():
+    """One GPU under XLA: TensorFlow packed every gradient (ConcatV2) and all-reduced it over a group of one
+    (CollectiveReduceV2), 4 ms of every 47 ms Transformer step on 1x H200. tf_nvlink's optimizer hook skips it."""
+    plain, keras_allreduce, one_replica = _fit("plain"), _fit("keras_allreduce"), _fit("tf_nvlink")
+    assert keras_allreduce["collectives"] >= 1 and keras_allreduce["concats"] >= 1  # what Keras does alone
+    assert one_replica["collectives"] == 0 and one_replica["concats"] == 0
+    np.testing.assert_allclose(one_replica["loss"], plain["loss"], rtol=1e-6)
+    for a, b in zip(plain["weights"], one_replica["weights"]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)

@@ -209,8 +209,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     ops = ops_instance if ops_instance is not None else build_cross_device_ops(plan, device_names)
     plan = dataclasses.replace(plan, devices=tuple(device_names))
     apply_xla_flags(plan, user_xla_flags)
-    if plan.allreduce_dtype != "float32":
-        xla.install_allreduce_dtype_hook()
+    xla.install_gradient_allreduce_hook()  # one replica: no all-reduce; allreduce_dtype="bfloat16": cast around it
     xla.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
 

@@ -34,6 +34,7 @@ Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`;
 - `TensorFlowTrainer._make_function` (replaced): keep XLA off the function spanning the replicas, run the step
   per replica.
 - `TensorFlowTrainer._resolve_auto_jit_compile` (replaced): Keras turns "auto" XLA off under any strategy.
+- `TFOptimizer._all_reduce_sum_gradients` (replaced, `allreduce.py`): no all-reduce for one replica; bfloat16.
 - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced): while a per-replica custom-loop step is traced
   in this thread, catch the update (split) or keep step counters per replica (fused); an optimizer not built
   yet stops that trace and is built outside it (`optimizer.build`, `optimizer.built`). Otherwise pass-through,
@@ -59,15 +60,16 @@ import tf_nvlink.xla.private as private
 from tf_nvlink.xla.private import (TESTED_KERAS, _STATE, CrossReplicaCallInXlaError,  # noqa: F401
                                    HookState, MultiWorkerKerasReduceMixin, UnsupportedKerasError,
                                    _in_xla_context, _install_optimizer_hooks, _keras_trainer_class,
-                                   check_keras_support, fused_allreduce_possible, install_allreduce_dtype_hook, log,
+                                   check_keras_support, fused_allreduce_possible, log,
                                    reset_hooks_for_tests,
                                    set_initial_epoch, uninstall_keras_hooks)
+from tf_nvlink.xla.allreduce import install_gradient_allreduce_hook
 from tf_nvlink.xla.steps import PerReplicaCustomStep, PerReplicaXlaStep
 
 __all__ = ["TESTED_KERAS", "CrossReplicaCallInXlaError", "HookState", "MultiWorkerKerasReduceMixin",
            "PerReplicaCustomStep", "PerReplicaXlaStep", "PerReplicaXlaStrategyMixin", "UnsupportedKerasError",
            "check_keras_support", "enable_per_replica_xla", "fused_allreduce_possible",
-           "install_allreduce_dtype_hook", "install_keras_hooks",
+           "install_gradient_allreduce_hook", "install_keras_hooks",
            "reset_hooks_for_tests", "set_initial_epoch", "uninstall_keras_hooks"]
 
 

@@ -365,35 +365,3 @@ def set_initial_epoch(model, epoch: int) -> None:
     `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
     """
     model._initial_epoch = epoch  # noqa: SLF001
-
-
-# ---- Gradient all-reduce in bfloat16 (Plan.allreduce_dtype) -----------------------------------------------------
-# Why: Keras' TF optimizer all-reduces the gradients in the private `TFOptimizer._all_reduce_sum_gradients`, in
-# fit's three paths alike: no XLA, split (outside XLA) and fused (compiled into the XLA step). Hooked on the class
-# once; it acts only for optimizers created under a tf_nvlink strategy whose plan says "bfloat16".
-_ALLREDUCE_DTYPE_HOOK: dict[str, Callable] = {}
-_ALLREDUCE_DTYPE_LOCK = threading.Lock()
-
-
-def install_allreduce_dtype_hook() -> None:
-    """Make Keras optimizers under a tf_nvlink strategy whose plan says allreduce_dtype="bfloat16" all-reduce
-    float32 gradients in bfloat16 (half the bytes; the sum is rounded to bfloat16) and cast the sums back; other
-    gradients and other strategies' optimizers pass unchanged. `tf_nvlink.strategy(allreduce_dtype="bfloat16")`
-    calls it."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
-
-    with _ALLREDUCE_DTYPE_LOCK:
-        if _ALLREDUCE_DTYPE_HOOK:
-            return
-        original = _ALLREDUCE_DTYPE_HOOK["original"] = TFOptimizer._all_reduce_sum_gradients
-
-        def _all_reduce_sum_gradients(self, grads_and_vars):
-            plan = getattr(getattr(self, "_distribution_strategy", None), "_tf_nvlink_plan", None)
-            if getattr(plan, "allreduce_dtype", "float32") != "bfloat16":
-                return original(self, grads_and_vars)
-            pairs = list(grads_and_vars)
-            narrow = [g is not None and g.dtype == tf.float32 for g, _ in pairs]
-            reduced = original(self, [(tf.cast(g, tf.bfloat16) if n else g, v) for n, (g, v) in zip(narrow, pairs)])
-            return [(tf.cast(r, tf.float32) if n else r, v) for n, (r, v) in zip(narrow, reduced)]
-
-        TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
