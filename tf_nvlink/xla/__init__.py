@@ -34,6 +34,10 @@ Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`;
 - `TensorFlowTrainer._make_function` (replaced): keep XLA off the function spanning the replicas, run the step
   per replica.
 - `TensorFlowTrainer._resolve_auto_jit_compile` (replaced): Keras turns "auto" XLA off under any strategy.
+- `TensorFlowTrainer._maybe_symbolic_build` (skipped once the model, its compiled loss and metrics and its
+  optimizer are built): under any strategy Keras makes a distributed iterator at every `fit`/`evaluate` call to
+  take one batch and average it across replicas, and then finds nothing to build. Making that iterator
+  (TensorFlow's MultiDeviceIterator traces its functions each time) took about 100 ms per call on a CPU.
 - `TFOptimizer._all_reduce_sum_gradients` (replaced, `allreduce.py`): no all-reduce for one replica; bfloat16.
 - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced): while a per-replica custom-loop step is traced
   in this thread, catch the update (split) or keep step counters per replica (fused); an optimizer not built
@@ -125,6 +129,15 @@ def install_keras_hooks() -> str | None:
 
         trainer._make_function = _make_function
         trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+        if hasattr(trainer, "_maybe_symbolic_build"):
+            _STATE.originals["_maybe_symbolic_build"] = trainer._maybe_symbolic_build
+
+            def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+                if _is_tf_nvlink(self.distribute_strategy) and private.fully_built(self):
+                    return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
+                return _STATE.originals["_maybe_symbolic_build"](self, iterator=iterator, data_batch=data_batch)
+
+            trainer._maybe_symbolic_build = _maybe_symbolic_build
         _install_optimizer_hooks()
         return None
 

@@ -82,6 +82,15 @@ def uninstall_keras_hooks() -> None:
         _STATE.originals.clear()
 
 
+def fully_built(model) -> bool:
+    """True when `model`'s layers, compiled loss and metrics and optimizer are all built: then Keras'
+    `_symbolic_build` would build nothing (the attributes it checks, read the same way)."""
+    compiled = [getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None),
+                getattr(model, "optimizer", None)]
+    return all(layer.built for layer in model._flatten_layers()) and all(
+        part is None or part.built for part in compiled)
+
+
 def fused_allreduce_possible(strategy) -> bool:
     """True when every replica is a GPU: there MirroredStrategy all-reduces inside XLA (CollectiveAllReduce
     compiled to an XLA all-reduce over NCCL) and applies updates per replica without merge_call."""
