@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
-#                                                      transformer p2poff loops monitor (each about 10 minutes
+#                                                      transformer p2poff loops monitor onegpu (each about 10 minutes
 #                                                      or less on 2x H200; run them one per command)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
@@ -38,10 +38,15 @@ for stage in $stages; do
                 --candidates 1gpu,auto,auto@nop2p,stock --json "$out/resnet50.json" ;;
     workers) run workers "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
                --candidates auto,workers,workers@nop2p --json "$out/workers.json" ;;
-    scaling) run scaling "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --warmup 10 \
+    scaling) run scaling "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
                --variants host,async,device --json "$out/scaling.json" ;;
-    spe8) run spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --warmup 16 --steps_per_execution 8 \
-            --variants host,async --json "$out/spe8.json" ;;
+    spe8) run spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --long_steps 256 --warmup 16 \
+            --steps_per_execution 8 --variants host,async --json "$out/spe8.json" ;;
+    onegpu)  # one GPU: plain Keras against a one-replica tf_nvlink strategy and TensorFlow's OneDeviceStrategy
+      run onegpu_transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 \
+        --long_steps 120 --warmup 5 --variants host,onedevice --json "$out/onegpu_transformer.json"
+      run onegpu_resnet50 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
+        --variants host,onedevice --json "$out/onegpu_resnet50.json" ;;
     transformer)  # NCCL reads NCCL_P2P_DISABLE once per process: one probe per setting
       run transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 --warmup 5 \
         --variants host --json "$out/transformer.json"
@@ -58,7 +63,7 @@ for stage in $stages; do
       run monitor "$py" benchmarks/scaling_probe.py --rounds 3 --steps 100 --warmup 10 \
         --variants host,monitor,monitor1 --json "$out/monitor.json" ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
-            "p2poff loops monitor" >&2; exit 2 ;;
+            "p2poff loops monitor onegpu" >&2; exit 2 ;;
   esac
 done
 exit $status

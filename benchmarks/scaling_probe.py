@@ -128,7 +128,7 @@ def summarize_trace(logdir, steps):
                     s = base + ev.offset_ps
                     e = s + ev.duration_ps
                     name = names.get(ev.metadata_id, "")
-                    low = name.lower() + " " + line.name.lower()
+                    low = name.lower()  # the stream's own name lists every kind it carries ("MemcpyD2D,...")
                     if "nccl" in low:
                         kind = "nccl"
                     elif "memcpyh2d" in low or "htod" in low:
@@ -205,6 +205,9 @@ def main():
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--long_steps", type=int, default=0,
+                        help="also time a fit of this many steps in each round: the difference from the --steps fit "
+                             "gives the marginal step time (steady state) and the fixed cost of each fit call")
     parser.add_argument("--variants", default="host,device",
                         help="of auto: host, buffer1, buffer4, device, nosync (BatchNorm statistics not averaged across "
                              "replicas), monitor (NVLinkMonitor, default), monitor1 (NVLinkMonitor reading every "
@@ -300,6 +303,7 @@ def main():
     times = collections.defaultdict(list)
     nvlink = collections.defaultdict(list)
     monitored = collections.defaultdict(list)
+    marginal = collections.defaultdict(list)  # (per_s from the long-short difference, fixed seconds per fit)
     import keras.src.backend as keras_backend
 
     thread_safe = keras_backend.IS_THREAD_SAFE
@@ -339,6 +343,15 @@ def main():
                       f"reads (median {1000 * statistics.median(mon.background_read_seconds or [0]):.1f} ms), "
                       f"{mon.skipped_reads} skipped", flush=True)
             print(f"round {r + 1} {name}: {times[name][-1]:.0f} {unit}/s", flush=True)
+            if args.long_steps:
+                started = time.perf_counter()
+                fit(name, model, ds, args.long_steps, callbacks)
+                long_seconds = time.perf_counter() - started
+                step_s = (long_seconds - seconds) / (args.long_steps - args.steps)
+                marginal[name].append((size * per_example / step_s, seconds - args.steps * step_s))
+                print(f"round {r + 1} {name}: {args.long_steps} steps {long_seconds:.2f} s; marginal "
+                      f"{marginal[name][-1][0]:.0f} {unit}/s, fixed {1000 * marginal[name][-1][1]:.0f} ms per fit",
+                      flush=True)
 
     one_median = statistics.median(times["1gpu"])
     rows = []
@@ -360,6 +373,21 @@ def main():
         rows.append(row)
         print(f"{name:<16}{med:>9.0f}{100 * spread:>8.1f}%{row['step_ms']:>9.1f}{med / one_median:>10.2f}"
               f"{row['scaling']:>9.2f}  {tx}")
+    if marginal:
+        one_marginal = statistics.median(m[0] for m in marginal["1gpu"])
+        print(f"\nsteady state ({args.long_steps}-step fit minus {args.steps}-step fit, same round)\n"
+              f"{'setup':<16}{unit + '/s':>9}{'spread':>9}{'step ms':>9}{'scaling':>9}{'fixed ms/fit':>14}")
+        for row in rows:
+            per_s = [m[0] for m in marginal[row["setup"]]]
+            med = statistics.median(per_s)
+            replicas = 1 if row["setup"].startswith("1gpu") else n
+            size = per_gpu * replicas
+            row.update(marginal_per_s=med, marginal_rounds=per_s, marginal_spread=(max(per_s) - min(per_s)) / med,
+                       marginal_scaling=med / (replicas * one_marginal),
+                       fixed_ms_per_fit=1000 * statistics.median(m[1] for m in marginal[row["setup"]]))
+            print(f"{row['setup']:<16}{med:>9.0f}{100 * row['marginal_spread']:>8.1f}%"
+                  f"{1000 * size * per_example / med:>9.1f}{row['marginal_scaling']:>9.2f}"
+                  f"{row['fixed_ms_per_fit']:>14.0f}")
     grads = sum(int(np.prod(v.shape)) * 4 for v in multi.trainable_variables)
     print(f"# fp32 gradient bytes {grads / 2**20:.1f} MiB in {len(multi.trainable_variables)} tensors; expected "
           f"all-reduce traffic per GPU per step 2(n-1)/n x that = {2 * (n - 1) / n * grads / 2**20:.1f} MiB")
