@@ -39,9 +39,9 @@ for stage in $stages; do
     workers) run workers "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
                --candidates auto,workers,workers@nop2p --json "$out/workers.json" ;;
     scaling) run scaling "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
-               --variants host,async,device --json "$out/scaling.json" ;;
+               --variants host,onedevice,async,device --json "$out/scaling.json" ;;
     spe8) run spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --long_steps 256 --warmup 16 \
-            --steps_per_execution 8 --variants host,async --json "$out/spe8.json" ;;
+            --steps_per_execution 8 --variants host,onedevice,async --json "$out/spe8.json" ;;
     onegpu)  # one GPU: plain Keras against a one-replica tf_nvlink strategy and TensorFlow's OneDeviceStrategy
       run onegpu_transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 \
         --long_steps 120 --warmup 5 --variants host,onedevice --json "$out/onegpu_transformer.json"

@@ -388,6 +388,13 @@ def main():
             print(f"{row['setup']:<16}{med:>9.0f}{100 * row['marginal_spread']:>8.1f}%"
                   f"{1000 * size * per_example / med:>9.1f}{row['marginal_scaling']:>9.2f}"
                   f"{row['fixed_ms_per_fit']:>14.0f}")
+    for key, label in (("per_s", "whole fits"), ("marginal_per_s", "steady state")):
+        ones = [row for row in rows if row["setup"].startswith("1gpu") and key in row]
+        if len(ones) > 1 and n > 1:  # the best one-GPU setup, not plain Keras, is what scaling should be against
+            best = max(ones, key=lambda row: row[key])
+            print(f"# scaling against the best one-GPU setup ({best['setup']}, {label}): " + ", ".join(
+                f"{row['setup']} {row[key] / (n * best[key]):.2f}" for row in rows
+                if not row["setup"].startswith("1gpu")))
     grads = sum(int(np.prod(v.shape)) * 4 for v in multi.trainable_variables)
     print(f"# fp32 gradient bytes {grads / 2**20:.1f} MiB in {len(multi.trainable_variables)} tensors; expected "
           f"all-reduce traffic per GPU per step 2(n-1)/n x that = {2 * (n - 1) / n * grads / 2**20:.1f} MiB")
