@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
-#                                                      transformer p2poff loops monitor onegpu (each about 10 minutes
+#                                                      transformer p2poff loops monitor onegpu onegpu8 (each about 10 minutes
 #                                                      or less on 2x H200; run them one per command)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
@@ -47,6 +47,8 @@ for stage in $stages; do
         --long_steps 120 --warmup 5 --variants host,onedevice --json "$out/onegpu_transformer.json"
       run onegpu_resnet50 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
         --variants host,onedevice --json "$out/onegpu_resnet50.json" ;;
+    onegpu8) run onegpu_spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --long_steps 256 --warmup 16 \
+               --steps_per_execution 8 --variants host,onedevice --json "$out/onegpu_spe8.json" ;;
     transformer)  # NCCL reads NCCL_P2P_DISABLE once per process: one probe per setting
       run transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 --warmup 5 \
         --variants host --json "$out/transformer.json"
@@ -63,7 +65,7 @@ for stage in $stages; do
       run monitor "$py" benchmarks/scaling_probe.py --rounds 3 --steps 100 --warmup 10 \
         --variants host,monitor,monitor1 --json "$out/monitor.json" ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
-            "p2poff loops monitor onegpu" >&2; exit 2 ;;
+            "p2poff loops monitor onegpu onegpu8" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -92,7 +92,7 @@ def test_sparse_gradients_are_made_dense_inside_xla_only(tf):
 _FIT_SCRIPT = FUSED_CPU_EMULATION + r"""
 import collections, json, sys
 import numpy as np, tensorflow as tf
-mode = sys.argv[1]
+mode, steps_per_execution = sys.argv[1], int(sys.argv[2])
 import keras
 from tf_nvlink import xla
 if mode == "plain":
@@ -104,7 +104,8 @@ else:
 with strategy.scope():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                  steps_per_execution=steps_per_execution)
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
 history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -121,8 +122,10 @@ print(json.dumps({"loss": history.history["loss"], "weights": [w.ravel().tolist(
 """
 
 
-def _fit(mode):
-    proc = run_python(["-c", _FIT_SCRIPT, mode], timeout=300)
+def _fit(mode, steps_per_execution=1, must_pass=True):
+    proc = run_python(["-c", _FIT_SCRIPT, mode, str(steps_per_execution)], timeout=300)
+    if not must_pass:
+        return proc
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -133,6 +136,19 @@ def test_one_replica_fit_skips_the_all_reduce_and_equals_plain_keras():
     plain, keras_allreduce, one_replica = _fit("plain"), _fit("keras_allreduce"), _fit("tf_nvlink")
     assert keras_allreduce["collectives"] >= 1 and keras_allreduce["concats"] >= 1  # what Keras does alone
     assert one_replica["collectives"] == 0 and one_replica["concats"] == 0
+    np.testing.assert_allclose(one_replica["loss"], plain["loss"], rtol=1e-6)
+    for a, b in zip(plain["weights"], one_replica["weights"]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_one_replica_fit_with_steps_per_execution_works_and_equals_plain_keras():
+    """Keras' multi-step loop (steps_per_execution > 1) around TensorFlow's one-replica all-reduce failed on the
+    GPU path ("You must feed a value for placeholder tensor ... while/cond/Placeholder", as fused mode did on 2
+    GPUs). Without the all-reduce, a one-GPU tf_nvlink strategy runs Keras' own loop and trains like plain Keras."""
+    keras_allreduce = _fit("keras_allreduce", steps_per_execution=3, must_pass=False)
+    assert keras_allreduce.returncode != 0 and "Placeholder" in keras_allreduce.stderr  # what Keras does alone
+    plain, one_replica = _fit("plain", steps_per_execution=3), _fit("tf_nvlink", steps_per_execution=3)
+    assert one_replica["collectives"] == 0
     np.testing.assert_allclose(one_replica["loss"], plain["loss"], rtol=1e-6)
     for a, b in zip(plain["weights"], one_replica["weights"]):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
