@@ -368,6 +368,7 @@ def main():
         if monitored.get(name):
             tx += f" (NVLinkMonitor {statistics.median(monitored[name]) / 2**20:.1f})"
         row = {"setup": name, "per_s": med, "unit": unit, "rounds": times[name], "spread": spread,
+               "replicas": replicas, "batch": size,
                "step_ms": 1000 * size * per_example / med, "scaling": med / (replicas * one_median),
                "nvlink_tx_mib": tx, "monitor_bytes_per_step": monitored.get(name)}
         rows.append(row)
@@ -380,21 +381,19 @@ def main():
         for row in rows:
             per_s = [m[0] for m in marginal[row["setup"]]]
             med = statistics.median(per_s)
-            replicas = 1 if row["setup"].startswith("1gpu") else n
-            size = per_gpu * replicas
             row.update(marginal_per_s=med, marginal_rounds=per_s, marginal_spread=(max(per_s) - min(per_s)) / med,
-                       marginal_scaling=med / (replicas * one_marginal),
+                       marginal_scaling=med / (row["replicas"] * one_marginal),
                        fixed_ms_per_fit=1000 * statistics.median(m[1] for m in marginal[row["setup"]]))
             print(f"{row['setup']:<16}{med:>9.0f}{100 * row['marginal_spread']:>8.1f}%"
-                  f"{1000 * size * per_example / med:>9.1f}{row['marginal_scaling']:>9.2f}"
+                  f"{1000 * row['batch'] * per_example / med:>9.1f}{row['marginal_scaling']:>9.2f}"
                   f"{row['fixed_ms_per_fit']:>14.0f}")
     for key, label in (("per_s", "whole fits"), ("marginal_per_s", "steady state")):
-        ones = [row for row in rows if row["setup"].startswith("1gpu") and key in row]
+        ones = [row for row in rows if row["replicas"] == 1 and key in row]
         if len(ones) > 1 and n > 1:  # the best one-GPU setup, not plain Keras, is what scaling should be against
             best = max(ones, key=lambda row: row[key])
             print(f"# scaling against the best one-GPU setup ({best['setup']}, {label}): " + ", ".join(
-                f"{row['setup']} {row[key] / (n * best[key]):.2f}" for row in rows
-                if not row["setup"].startswith("1gpu")))
+                f"{row['setup']} {row[key] / (row['replicas'] * best[key]):.2f}" for row in rows
+                if row["replicas"] > 1))
     grads = sum(int(np.prod(v.shape)) * 4 for v in multi.trainable_variables)
     print(f"# fp32 gradient bytes {grads / 2**20:.1f} MiB in {len(multi.trainable_variables)} tensors; expected "
           f"all-reduce traffic per GPU per step 2(n-1)/n x that = {2 * (n - 1) / n * grads / 2**20:.1f} MiB")
