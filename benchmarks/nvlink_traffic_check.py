@@ -6,7 +6,9 @@
 import logging, os, sys, time
 import numpy as np, tensorflow as tf, keras
 import tf_nvlink
-from tf_nvlink import monitor, nvlink_traffic, nvml
+from tf_nvlink.training import nvlink_monitor
+from tf_nvlink.machine import nvlink_traffic
+from tf_nvlink.machine import nvml
 logging.basicConfig(level=logging.WARNING)
 small = os.environ.get("NVCHECK_MODEL") == "small"  # CPU rehearsal only
 keras.mixed_precision.set_global_policy("float32" if small else "mixed_bfloat16")

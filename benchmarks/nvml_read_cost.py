@@ -55,7 +55,7 @@ def main():
 
     import pynvml
 
-    from tf_nvlink.nvml import TRAFFIC_FIELDS, NvLinkCounterReader
+    from tf_nvlink.machine.nvml import TRAFFIC_FIELDS, NvLinkCounterReader
 
     reader = NvLinkCounterReader().open()
     print(f"GPUs {reader.gpus}; readable {reader.readable}; unavailable {reader.unavailable}", flush=True)

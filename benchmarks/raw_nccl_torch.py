@@ -17,8 +17,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tf_nvlink import atomic, workers  # noqa: E402
-from tf_nvlink.bench import format_size, parse_sizes  # noqa: E402 - the same size syntax as tf-nvlink bench
+from tf_nvlink.util import atomic_files  # noqa: E402
+from tf_nvlink.util import json_workers
+from tf_nvlink.tools.allreduce_bench import format_size, parse_sizes  # noqa: E402 - the same size syntax as tf-nvlink bench
 
 
 def _rank_main(rank, world, sizes, iters, warmup, port, queue):
@@ -65,7 +66,7 @@ def main():
     world = torch.cuda.device_count()
     if world < 2:
         sys.exit(f"raw_nccl_torch.py needs 2 or more GPUs; torch sees {world}.")
-    port = workers.free_ports(1, host="127.0.0.1")[0]
+    port = json_workers.free_ports(1, host="127.0.0.1")[0]
     context = mp.get_context("spawn")
     queue = context.Queue()
     mp.spawn(_rank_main, args=(world, parse_sizes(args.sizes), args.iters, args.warmup, port, queue), nprocs=world)
@@ -83,7 +84,7 @@ def main():
         print(f"{format_size(row['size_bytes']):>12} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
               f"{row['busbw']:>8.2f} {row['wrong']:>7}")
     if args.json:
-        atomic.write_atomic(args.json, json.dumps(rows, indent=1), mode=None)
+        atomic_files.write_atomic(args.json, json.dumps(rows, indent=1), mode=None)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

@@ -32,11 +32,11 @@ for stage in $stages; do
       run tune "$py" -m tf_nvlink tune --sizes 16M,256M
       run allreduce "$py" -m tf_nvlink bench --sizes 1M,16M,256M,1G --compare_p2p --json "$out/allreduce.json" ;;
     tests) run pytest_gpu "$py" -m pytest -m gpu -rA --tb=long -p no:cacheprovider ;;
-    mlp) run mlp "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
+    mlp) run mlp "$py" -m tf_nvlink.tools.training_bench --model mlp --rounds 3 --steps 50 \
            --candidates 1gpu,auto,nccl@split,collective@split,hierarchical@split,auto@nop2p --json "$out/mlp.json" ;;
-    resnet50) run resnet50 "$py" -m tf_nvlink.training_bench --model resnet50 --steps 10 \
+    resnet50) run resnet50 "$py" -m tf_nvlink.tools.training_bench --model resnet50 --steps 10 \
                 --candidates 1gpu,auto,auto@nop2p,stock --json "$out/resnet50.json" ;;
-    workers) run workers "$py" -m tf_nvlink.training_bench --model mlp --rounds 3 --steps 50 \
+    workers) run workers "$py" -m tf_nvlink.tools.training_bench --model mlp --rounds 3 --steps 50 \
                --candidates auto,workers,workers@nop2p --json "$out/workers.json" ;;
     scaling) run scaling "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
                --variants host,onedevice,async,device --json "$out/scaling.json" ;;

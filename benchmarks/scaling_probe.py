@@ -178,7 +178,7 @@ def summarize_trace(logdir, steps):
 def build_model(keras, name, image, steps_per_execution=1):
     """ResNet-50 on uint8 images (cast on the GPU), the 368M-parameter Transformer LM, or a tiny CPU smoke model."""
     if name == "transformer":
-        from tf_nvlink import models
+        from tf_nvlink.tools.training_bench import models
 
         model = models.transformer_lm()
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

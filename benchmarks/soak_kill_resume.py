@@ -168,7 +168,7 @@ def soak_training(args, rng, out):
 
 
 def valid_cache(path, earlier_key):
-    from tf_nvlink import tune  # noqa: PLC0415 - no TensorFlow
+    from tf_nvlink.tools import tune  # noqa: PLC0415 - no TensorFlow
 
     with open(path) as f:
         data = tune.strict_loads(f.read())
@@ -181,7 +181,7 @@ def valid_cache(path, earlier_key):
 
 
 def soak_tune(args, rng, out):
-    from tf_nvlink import tune  # noqa: PLC0415
+    from tf_nvlink.tools import tune  # noqa: PLC0415
 
     cache_dir = os.path.join(out, "tune_cache")
     os.makedirs(cache_dir, exist_ok=True)

@@ -17,11 +17,11 @@ from absl import app
 from absl import flags
 
 try:
-    from tf_nvlink import training_bench
+    from tf_nvlink.tools.training_bench import cli as training_bench
 except ImportError:  # run from a source checkout without `pip install .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tf_nvlink import training_bench
-from tf_nvlink import atomic
+    from tf_nvlink.tools.training_bench import cli as training_bench
+from tf_nvlink.util import atomic_files
 
 _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
                            "mlp: the seed 784-256-128-10 MLP (overhead-bound); resnet50: ResNet-50 on 224x224 "
@@ -69,7 +69,7 @@ def main(argv):
                                             cpu_devices=cpu_devices, rounds=_ROUNDS.value)
     print(training_bench.render_table(results))
     if _JSON.value:
-        atomic.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)
+        atomic_files.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -30,9 +30,9 @@ try:
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
-from tf_nvlink import datasets
-from tf_nvlink import models
-from tf_nvlink import policy
+from tf_nvlink.tools import digits_data
+from tf_nvlink.tools.training_bench import models
+from tf_nvlink.plan import policy
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_custom_loop"
 MIN_STEPS_PER_EPOCH = 10  # a small training set is repeated within an epoch to fill at least this many batches
@@ -56,7 +56,7 @@ _EPOCHS = flags.DEFINE_integer("epochs", 10, "Epochs to reach (a resumed run tra
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Adam's learning rate.", lower_bound=0.0)
 _MODEL_DIR = flags.DEFINE_string("model_dir", "", f"Checkpoint directory. Empty: {DEFAULT_MODEL_DIR}.")
 _DATASET = flags.DEFINE_enum(
-    "dataset", "auto", datasets.CHOICES,
+    "dataset", "auto", digits_data.CHOICES,
     "'mnist' (Keras cache or download), 'digits' (offline UCI digits shipped with tf_nvlink), or 'auto'.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weight initialisation and shuffling.")
 
@@ -134,7 +134,7 @@ def main(argv):
     if global_batch % replicas:
         raise app.UsageError(f"--batch_size={global_batch} (the global batch) is not divisible by the {replicas} "
                              f"replicas; use a multiple of {replicas}.")
-    data = datasets.load_mnist_or_fallback(_DATASET.value)
+    data = digits_data.load_mnist_or_fallback(_DATASET.value)
     repeats, steps = steps_per_epoch(len(data.x_train), global_batch)
     mode = strategy.xla_allreduce if _JIT_COMPILE.value and replicas > 1 else "off" if not _JIT_COMPILE.value \
         else "one replica"

@@ -36,8 +36,8 @@ try:
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
-from tf_nvlink import datasets
-from tf_nvlink import policy
+from tf_nvlink.tools import digits_data
+from tf_nvlink.plan import policy
 
 # TensorFlow and Keras are imported by import_tensorflow(), when main() starts: --help and --helpfull stay fast.
 keras = tf = safe_callbacks = models = None
@@ -48,8 +48,8 @@ def import_tensorflow():
     global keras, tf, safe_callbacks, models
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
-    from tf_nvlink import callbacks as safe_callbacks  # noqa: PLC0415
-    from tf_nvlink import models  # noqa: PLC0415
+    from tf_nvlink.training import callbacks as safe_callbacks  # noqa: PLC0415
+    from tf_nvlink.tools.training_bench import models  # noqa: PLC0415
 
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
@@ -76,7 +76,7 @@ _MODEL_DIR = flags.DEFINE_string(
     "model_dir", "", f"Directory for checkpoints/, logs/ (TensorBoard), backup/ (resume after a kill) and "
     f"model.keras. Empty: {DEFAULT_MODEL_DIR}.")
 _DATASET = flags.DEFINE_enum(
-    "dataset", "auto", datasets.CHOICES,
+    "dataset", "auto", digits_data.CHOICES,
     "'mnist' (Keras cache or download), 'digits' (offline UCI digits shipped with tf_nvlink, upsampled to "
     "28x28), or 'auto' (MNIST if cached or downloadable within a few seconds, else digits).")
 _JIT_COMPILE = flags.DEFINE_bool(
@@ -244,7 +244,7 @@ def main(argv):
     keras.utils.set_random_seed(_SEED.value)
     strategy = make_strategy(_GPUS.value, _CROSS_DEVICE_OPS.value, _NUM_PACKS.value)
     per_replica = replica_batch(global_batch, strategy.num_replicas_in_sync)
-    data = datasets.load_mnist_or_fallback(_DATASET.value)
+    data = digits_data.load_mnist_or_fallback(_DATASET.value)
     print(f"dataset: {data.description}", flush=True)
     epoch = EpochPlan.make(len(data.x_train), global_batch, _STEPS_PER_EPOCH.value)
     print(f"replicas: {strategy.num_replicas_in_sync}, global batch {global_batch} = {per_replica} per replica, "

@@ -43,11 +43,11 @@ try:
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
-from tf_nvlink import atomic
-from tf_nvlink import callbacks as safe_callbacks
-from tf_nvlink import datasets
-from tf_nvlink import models
-from tf_nvlink import multi_worker
+from tf_nvlink.util import atomic_files
+from tf_nvlink.training import callbacks as safe_callbacks
+from tf_nvlink.tools import digits_data
+from tf_nvlink.tools.training_bench import models
+from tf_nvlink.distribute import multi_worker
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
 
@@ -61,7 +61,7 @@ _MODEL_DIR = flags.DEFINE_string(
     "model_dir", "", f"Where the chief writes model.keras (empty: {DEFAULT_MODEL_DIR}). Use a directory every host "
     "can reach, or the chief's local disk.")
 _DATASET = flags.DEFINE_enum(
-    "dataset", "auto", datasets.CHOICES,
+    "dataset", "auto", digits_data.CHOICES,
     "'mnist' (Keras cache or download), 'digits' (offline UCI digits shipped with tf_nvlink), or 'auto' "
     "(MNIST if cached or downloadable within a few seconds, else digits). Every worker must load the same one.")
 _PEER_TIMEOUT = flags.DEFINE_float(
@@ -109,12 +109,12 @@ def save_model(model, strategy, model_dir):
     if strategy.extended.should_checkpoint:
         os.makedirs(model_dir, exist_ok=True)
         path = os.path.join(model_dir, "model.keras")
-        with atomic.atomic_path(path, suffix=".keras") as partial:  # a kill mid-save leaves the old model.keras
+        with atomic_files.atomic_path(path, suffix=".keras") as partial:  # a kill mid-save leaves the old model.keras
             model.save(partial)
         return path
     scratch = tempfile.mkdtemp(prefix="tf_nvlink_worker_")
     try:
-        with atomic.atomic_path(os.path.join(scratch, "model.keras"), suffix=".keras") as partial:
+        with atomic_files.atomic_path(os.path.join(scratch, "model.keras"), suffix=".keras") as partial:
             model.save(partial)  # the same collective save as the chief's, into a folder deleted below
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -144,7 +144,7 @@ def main(argv):
     if global_batch % replicas:
         raise app.UsageError(f"--batch_size={global_batch} (the global batch) is not divisible by the {replicas} "
                              f"replicas; use a multiple of {replicas}.")
-    data = datasets.load_mnist_or_fallback(_DATASET.value)
+    data = digits_data.load_mnist_or_fallback(_DATASET.value)
     steps = _STEPS_PER_EPOCH.value or math.ceil(len(data.x_train) / global_batch)
     print(f"dataset: {data.description}", flush=True)
     print(f"replicas: {replicas}, global batch {global_batch} = {global_batch // replicas} per replica, "

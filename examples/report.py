@@ -13,10 +13,10 @@ from pathlib import Path
 from absl import app, flags
 
 try:
-    from tf_nvlink import report
+    from tf_nvlink.tools import report
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tf_nvlink import report
+    from tf_nvlink.tools import report
 
 _JSON = flags.DEFINE_bool("json", False, "Print the report as JSON instead of text.")
 _NO_TF = flags.DEFINE_bool("no_tf", False, "Skip TensorFlow: NVML facts and the plan only (instant).")

@@ -56,10 +56,10 @@ def fused_strategy_emulated_on_cpu(devices=("/cpu:0", "/cpu:1")):
     import tensorflow as tf
     from tensorflow.python.distribute import mirrored_strategy
     import tf_nvlink
-    from tf_nvlink import xla
+    from tf_nvlink.training import install
 
     mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
-    xla.private.fused_allreduce_possible = lambda strategy: True
+    install.internals.fused_allreduce_possible = lambda strategy: True
 
     def fit_step_without_jit(self, replica_id):
         with self._lock:
@@ -74,8 +74,8 @@ def fused_strategy_emulated_on_cpu(devices=("/cpu:0", "/cpu:1")):
                 self._compiled[replica_id] = tf.function(self._body(replica_id), autograph=self.autograph)
             return self._compiled[replica_id]
 
-    xla.PerReplicaXlaStep._compiled_for = fit_step_without_jit
-    xla.PerReplicaCustomStep._compiled_for = custom_step_without_jit
+    install.PerReplicaXlaStep._compiled_for = fit_step_without_jit
+    install.PerReplicaCustomStep._compiled_for = custom_step_without_jit
     strategy = tf_nvlink.strategy(devices=list(devices), cross_device_ops="collective")
     strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
     return strategy

@@ -1,11 +1,11 @@
-"""A stand-in for the `pynvml` module that answers the calls `tf_nvlink.nvml.probe` makes, as real NVML does.
+"""A stand-in for the `pynvml` module that answers the calls `tf_nvlink.machine.nvml.probe` makes, as real NVML does.
 
 Errors are real pynvml exceptions (`pynvml.NVMLError(code)` maps to `NVMLError_InvalidArgument` and friends),
 so the probe's error handling is exercised exactly as on hardware. The machines below are built from real systems;
 the 2x H200 values were read off the lent GPU machine (../shared/hardware-facts.md).
 
 Example:
-    >>> from tf_nvlink import nvml
+    >>> from tf_nvlink.machine import nvml
     >>> topo = nvml.probe(FakeNvml(h200_x2()))
 """
 

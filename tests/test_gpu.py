@@ -40,7 +40,7 @@ needs_2_gpus = pytest.mark.skipif(GPU_COUNT < 2, reason="needs 2 or more NVIDIA 
 
 @needs_gpu
 def test_probe_matches_nvidia_smi():
-    from tf_nvlink import nvml
+    from tf_nvlink.machine import nvml
 
     topo = nvml.probe()
     assert topo.error is None and len(topo.gpus) == GPU_COUNT
@@ -59,7 +59,7 @@ def test_probe_matches_nvidia_smi():
 
 @needs_gpu
 def test_h200_facts_when_on_h200():
-    from tf_nvlink import nvml
+    from tf_nvlink.machine import nvml
 
     topo = nvml.probe()
     if not all(g.name == "NVIDIA H200" for g in topo.gpus):
@@ -77,8 +77,8 @@ def test_h200_facts_when_on_h200():
 @needs_gpu
 def test_tf_gpus_map_to_nvml_by_pci():
     proc = run_python(
-        "import json; from tf_nvlink import nvml, devices\n"
-        "topo = nvml.probe(); m = devices.tf_gpus(topo)\n"
+        "import json; from tf_nvlink.machine import nvml, tf_devices\n"
+        "topo = nvml.probe(); m = tf_devices.tf_gpus(topo)\n"
         "print(json.dumps([[d.tf_index, d.nvml_index, str(d.pci_bus_id), str(topo.gpu(d.nvml_index).pci_bus_id)]"
         " for d in m]))", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -93,7 +93,7 @@ import json, sys
 import numpy as np, tensorflow as tf, keras
 import tf_nvlink
 mode, cpus = sys.argv[1], int(sys.argv[2])
-if cpus:  # the CPU rehearsal of this test (tests/test_bench.py): that many logical CPUs, no GPU
+if cpus:  # the CPU rehearsal of this test (tests/tools/test_allreduce_bench.py): that many logical CPUs, no GPU
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * cpus)
 if mode != "single":
@@ -146,7 +146,7 @@ EXPECTED_GPU_CANDIDATES = {"collective", "nccl:1", "nccl:4", "hierarchical:1", "
 
 def check_allreduce_records(records, sizes):
     """What the exact-sum test demands of `tf-nvlink bench --json` records from an even number of GPUs; tests/
-    test_bench.py runs it on the recorded 2x H200 JSON, so a wrong expectation shows up without a GPU."""
+    tests/tools/test_allreduce_bench.py runs it on the recorded 2x H200 JSON, so a wrong expectation shows up without a GPU."""
     ok = [r for r in records if r["status"] == "ok"]
     assert not [r for r in records if r["status"] in ("failed", "wrong")]
     assert {r["candidate"] for r in ok} >= EXPECTED_GPU_CANDIDATES

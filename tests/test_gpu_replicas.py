@@ -1,5 +1,5 @@
 """On real GPUs (`pytest -m gpu`): replicas agree on BatchNorm statistics after a ResNet-style fit in fused XLA
-mode, where the averaging runs inside each replica's XLA program (tf_nvlink/replicas.py).
+mode, where the averaging runs inside each replica's XLA program (tf_nvlink/replica_sync.py).
 
 The shards differ on purpose (each global batch's second half has another mean and spread), so replicas that
 kept their own statistics would end far apart: the `nosync` run (TF_NVLINK_SYNC_NON_TRAINABLE=0) shows by how
@@ -21,7 +21,7 @@ _SCRIPT = r"""
 import json, os, sys, tempfile
 import numpy as np, tensorflow as tf, keras
 import tf_nvlink
-from tf_nvlink import replicas
+from tf_nvlink.training import replica_sync
 mode, cpus, synchronized = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "synchronized"
 if cpus:
     tf.config.set_logical_device_configuration(
@@ -66,7 +66,7 @@ with tf.device("/cpu:0" if cpus else "/gpu:0"):
     on_one_device = reloaded.evaluate(x, y, batch_size=batch, verbose=0)
     reloaded_predictions = reloaded.predict(x, batch_size=batch, verbose=0)
 print(json.dumps({"replicas": replica_count, "mode": strategy.xla_allreduce, "jit": bool(model.jit_compile),
-                  "diff": replicas.replicas_max_difference(model), "evaluate": in_strategy,
+                  "diff": replica_sync.replicas_max_difference(model), "evaluate": in_strategy,
                   "reloaded_evaluate": on_one_device,
                   "predict_diff": float(np.max(np.abs(predictions - reloaded_predictions)))}))
 """

@@ -32,8 +32,14 @@ import pytest
 import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeNvml
-from tf_nvlink import atomic, cluster, datasets, nvml, policy, tune, tune_cache
-from tf_nvlink.topology import Topology
+from tf_nvlink.util import atomic_files
+from tf_nvlink.machine import cluster_config
+from tf_nvlink.tools import digits_data
+from tf_nvlink.machine import nvml
+from tf_nvlink.plan import policy
+from tf_nvlink.tools import tune
+from tf_nvlink.plan import tune_cache
+from tf_nvlink.machine.topology import Topology
 
 MNIST_MLP = str(ROOT / "examples" / "mnist_mlp.py")
 EXAMPLES = str(ROOT / "examples")
@@ -113,11 +119,11 @@ OTHER_INPUTS = [  # (id, call, needles)
      ("xla_allreduce='fused'", "'split'")),
     ("hidden GPU", lambda: policy.make_plan(topo_of(H200), "0", visible=[1]),
      ("GPU 0", "CUDA_VISIBLE_DEVICES", "[1]")),
-    ("dataset name", lambda: datasets.load_mnist_or_fallback("cifar10"),
+    ("dataset name", lambda: digits_data.load_mnist_or_fallback("cifar10"),
      ("name='cifar10'", "['auto', 'mnist', 'digits']")),
-    ("dataset timeout", lambda: datasets.load_mnist_or_fallback("auto", timeout=-1),
+    ("dataset timeout", lambda: digits_data.load_mnist_or_fallback("auto", timeout=-1),
      ("timeout=-1", "positive number")),
-    ("test fraction", lambda: datasets.load_digits(test_fraction=1.5), ("test_fraction=1.5", "between 0 and 1")),
+    ("test fraction", lambda: digits_data.load_digits(test_fraction=1.5), ("test_fraction=1.5", "between 0 and 1")),
     ("tune gpus", lambda: tune.gpus_key("0,x"), ("'0,x'", "'cpu:N'")),
 ]
 
@@ -158,7 +164,7 @@ TF_CONFIG_CASES = [  # (id, TF_CONFIG text, needles: the bad value, and the vali
 
 @pytest.mark.parametrize("text, needles", [c[1:] for c in TF_CONFIG_CASES], ids=[c[0] for c in TF_CONFIG_CASES])
 def test_bad_tf_config(text, needles):
-    _raises_naming(lambda: cluster.parse_tf_config(text), *needles, error=cluster.TfConfigError)
+    _raises_naming(lambda: cluster_config.parse_tf_config(text), *needles, error=cluster_config.TfConfigError)
 
 
 # The example's flags: absl's own checks (bounds, enums) and main()'s (gpus, num_packs, model_dir, batch split).
@@ -186,7 +192,7 @@ FLAGS_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {examples!r})
     import mnist_mlp
     from absl import app, flags
-    from tf_nvlink import strategies
+    from tf_nvlink.distribute import single_host
 
     class ReachedTraining(Exception):
         pass
@@ -194,10 +200,10 @@ FLAGS_SCRIPT = textwrap.dedent("""
     def stop(*args, **kwargs):
         raise ReachedTraining()
 
-    mnist_mlp.datasets.load_mnist_or_fallback = stop  # main() loads the data right before training
+    mnist_mlp.digits_data.load_mnist_or_fallback = stop  # main() loads the data right before training
     out = {{}}
     for name, argv in json.loads({cases!r}).items():
-        strategies._CURRENT.clear()  # a case that got as far as building a strategy must not block the next
+        single_host._CURRENT.clear()  # a case that got as far as building a strategy must not block the next
         flags.FLAGS.unparse_flags()
         try:
             rest = flags.FLAGS(["mnist_mlp.py", "--dataset=digits", "--model_dir={model_dir}"] + argv)
@@ -319,7 +325,7 @@ def test_real_nvml_library_missing_on_this_machine():
     assert "\n" not in topo.error
 
 
-# The strategy's own degradations, through tf_nvlink.strategies._build on this GPU-less machine, one subprocess.
+# The strategy's own degradations, through tf_nvlink.distribute.single_host._build on this GPU-less machine, one subprocess.
 # Each case: topology (fake machine name and failing calls), what TensorFlow is made to see, the request.
 DEGRADE_SCRIPT = textwrap.dedent("""
     import json, logging, os, sys
@@ -329,8 +335,9 @@ DEGRADE_SCRIPT = textwrap.dedent("""
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import pynvml, fake_nvml
     from tensorflow.python.framework import kernels
-    from tf_nvlink import nvml, strategies
+    from tf_nvlink.machine import nvml
 
+    from tf_nvlink.distribute import single_host
     records = []
     class Collect(logging.Handler):
         def emit(self, record):
@@ -359,7 +366,7 @@ DEGRADE_SCRIPT = textwrap.dedent("""
         kernels.get_registered_kernels_for_op = (
             (lambda op: type("K", (), {{"kernel": []}})()) if case.get("no_nccl") else real_kernels)
         try:
-            built, plan = strategies._build(case.get("gpus", "all"), case.get("ops", "auto"), None,
+            built, plan = single_host._build(case.get("gpus", "all"), case.get("ops", "auto"), None,
                                             case.get("devices"), topology, case.get("xla", "auto"))
             result = {{"plan": plan.to_dict(), "replicas": built.num_replicas_in_sync}}
         except Exception as error:
@@ -571,8 +578,11 @@ BACKUP_SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, {examples!r})
     import keras, mnist_mlp
-    from tf_nvlink import callbacks, models, tune, tune_cache
+    from tf_nvlink.training import callbacks
 
+    from tf_nvlink.tools.training_bench import models
+    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
     backup = {backup!r}
     x = np.random.default_rng(0).random((64, 784)).astype("float32")
     y = np.arange(64) % 10
@@ -672,7 +682,7 @@ def test_backup_is_consistent_whenever_the_save_is_killed(tmp_path):
 
 def test_write_atomic_keeps_the_old_file_when_killed(tmp_path, monkeypatch):
     path = tmp_path / "results.json"
-    atomic.write_atomic(str(path), '{"old": true}\n')
+    atomic_files.write_atomic(str(path), '{"old": true}\n')
 
     class Killed(BaseException):
         pass
@@ -682,7 +692,7 @@ def test_write_atomic_keeps_the_old_file_when_killed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune_cache.os, "replace", killed)
     with pytest.raises(Killed):
-        atomic.write_atomic(str(path), '{"new": true}\n')
+        atomic_files.write_atomic(str(path), '{"new": true}\n')
     monkeypatch.undo()
     assert path.read_text() == '{"old": true}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # the temporary went too
@@ -694,8 +704,8 @@ def test_file_modes(tmp_path, umask):
     old = os.umask(umask)
     try:
         key = tune.store(_record(), path=str(tmp_path / "cache" / "autotune.json"))
-        atomic.write_atomic(str(tmp_path / "shared.json"), "{}\n", mode=None)
-        with atomic.atomic_path(str(tmp_path / "model.keras"), suffix=".keras") as partial:
+        atomic_files.write_atomic(str(tmp_path / "shared.json"), "{}\n", mode=None)
+        with atomic_files.atomic_path(str(tmp_path / "model.keras"), suffix=".keras") as partial:
             assert partial.endswith(".keras") and Path(partial).name.startswith(".model.keras.")
             Path(partial).write_bytes(b"zip")
     finally:
@@ -740,7 +750,7 @@ def _name(node):
 
 
 class _Audit(ast.NodeVisitor):
-    """Shell use, string-built commands, and file writes not inside `with ...atomic_path(...)` (or atomic.py's own
+    """Shell use, string-built commands, and file writes not inside `with ...atomic_path(...)` (or atomic_files.py's own
     atomic helpers)."""
 
     def __init__(self, relative):
@@ -779,7 +789,7 @@ class _Audit(ast.NodeVisitor):
         elif isinstance(node.func, ast.Attribute) and node.func.attr in WRITE_METHODS \
                 and (self.relative, name) not in ATOMIC_BY_TENSORFLOW:
             kind = node.func.attr
-        atomic_helper = self.relative == "tf_nvlink/atomic.py" and self.function in ("write_atomic", "atomic_path")
+        atomic_helper = self.relative == "tf_nvlink/util/atomic_files.py" and self.function in ("write_atomic", "atomic_path")
         if kind and not self.atomic_depth and not atomic_helper:
             self.writes.append((self.relative, kind, where))
         self.generic_visit(node)
@@ -803,7 +813,7 @@ def test_no_shell_and_no_string_built_commands(audit):
 
 def test_every_file_write_is_atomic(audit):
     _, writes = audit
-    assert writes == [], "non-atomic writes; use atomic.write_atomic or `with atomic.atomic_path(...)`: " + str(
+    assert writes == [], "non-atomic writes; use atomic_files.write_atomic or `with atomic_files.atomic_path(...)`: " + str(
         [where for _, _, where in writes])
 
 
@@ -817,7 +827,7 @@ def test_the_audit_sees_what_it_looks_for(tmp_path):
             subprocess.run(["ls", cmd])  # fine
             with open(path, "w") as handle:
                 json.dump(data, handle)
-            with atomic.atomic_path(path) as partial:
+            with atomic_files.atomic_path(path) as partial:
                 model.save(partial)  # fine
             open(path)  # a read: fine
         """)

@@ -13,9 +13,10 @@ import pytest
 import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeGpu, FakeLink, FakeMachine, FakeNvml
-from tf_nvlink import nvml, policy
+from tf_nvlink.machine import nvml
 
 
+from tf_nvlink.plan import policy
 def topo_of(name):
     return nvml.probe(FakeNvml(fake_nvml.MACHINES[name]()))
 
@@ -97,24 +98,24 @@ A100_AS_CUDA_0 = ("/device:GPU:0", "device: 0, name: NVIDIA A100-PCIE-40GB, pci 
 
 
 def test_item3_mixed_models_map_by_pci_both_ways():
-    from tf_nvlink import devices
+    from tf_nvlink.machine import tf_devices
 
     topo = nvml.probe(FakeNvml(mixed_t4_a100()))
     env = {"CUDA_VISIBLE_DEVICES": "0"}
-    assert devices.visible_needs_tensorflow(topo, env)
-    assert not devices.visible_needs_tensorflow(topo, dict(env, CUDA_DEVICE_ORDER="PCI_BUS_ID"))
-    assert not devices.visible_needs_tensorflow(topo, {})  # unset: every GPU, order decided by PCI mapping
-    assert not devices.visible_needs_tensorflow(topo_of("h200_x2"), env)  # one model: the orders agree
-    mapped = devices.map_tf_gpus(topo, [A100_AS_CUDA_0])
-    visible = devices.visible_from_tensorflow(mapped)
+    assert tf_devices.visible_needs_tensorflow(topo, env)
+    assert not tf_devices.visible_needs_tensorflow(topo, dict(env, CUDA_DEVICE_ORDER="PCI_BUS_ID"))
+    assert not tf_devices.visible_needs_tensorflow(topo, {})  # unset: every GPU, order decided by PCI mapping
+    assert not tf_devices.visible_needs_tensorflow(topo_of("h200_x2"), env)  # one model: the orders agree
+    mapped = tf_devices.map_tf_gpus(topo, [A100_AS_CUDA_0])
+    visible = tf_devices.visible_from_tensorflow(mapped)
     assert visible == [1]
     plan = policy.make_plan(topo, "all", visible=visible)
-    assert plan.gpus == (1,) and devices.tf_device_for(plan.gpus, mapped) == ["/gpu:0"]
+    assert plan.gpus == (1,) and tf_devices.tf_device_for(plan.gpus, mapped) == ["/gpu:0"]
     assert policy.make_plan(topo, [1], visible=visible).gpus == (1,)  # the advice below works
     with pytest.raises(ValueError, match=r"valid GPU indices are \[1\]"):
         policy.make_plan(topo, [0], visible=visible)
     with pytest.raises(ValueError, match=r"Choose among \[1\]"):
-        devices.tf_device_for([0], mapped)
+        tf_devices.tf_device_for([0], mapped)
 
 
 def test_item4_summary_of_a_plan_on_unmapped_gpus_says_gpus():
@@ -124,11 +125,11 @@ def test_item4_summary_of_a_plan_on_unmapped_gpus_says_gpus():
 
 
 def test_item4_mig_entries():
-    from tf_nvlink import devices
+    from tf_nvlink.machine import tf_devices
 
-    assert devices.mig_entries({"CUDA_VISIBLE_DEVICES": "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"}) == [
+    assert tf_devices.mig_entries({"CUDA_VISIBLE_DEVICES": "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"}) == [
         "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"]
-    assert devices.mig_entries({"CUDA_VISIBLE_DEVICES": "0,1"}) == [] == devices.mig_entries({})
+    assert tf_devices.mig_entries({"CUDA_VISIBLE_DEVICES": "0,1"}) == [] == tf_devices.mig_entries({})
 
 
 @pytest.mark.parametrize("machine, gpus, needle", [
@@ -174,7 +175,7 @@ def test_item6_gpu_indices_refuses_negative_indices(gpus):
         policy.gpu_indices(gpus, (0, 1))
 
 
-# The strategy glue (tf_nvlink.strategies), one subprocess: what TensorFlow sees is faked as in test_reliability.
+# The strategy glue (tf_nvlink.distribute.single_host), one subprocess: what TensorFlow sees is faked as in test_reliability.
 STRATEGY_SCRIPT = textwrap.dedent("""
     import json, logging, os, sys
     sys.path.insert(0, {tests!r})
@@ -182,8 +183,10 @@ STRATEGY_SCRIPT = textwrap.dedent("""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import fake_nvml, test_reliability_round2 as round2
-    from tf_nvlink import devices, nvml, strategies
+    from tf_nvlink.machine import tf_devices
 
+    from tf_nvlink.machine import nvml
+    from tf_nvlink.distribute import single_host
     records = []
     class Collect(logging.Handler):
         def emit(self, record):
@@ -206,16 +209,16 @@ STRATEGY_SCRIPT = textwrap.dedent("""
             if kind == "GPU" else real_list_physical(kind))
         tf.config.list_logical_devices = lambda kind=None: (
             real_list_logical("CPU")[:tf_gpus] if kind == "GPU" else real_list_logical(kind))
-        devices.tf_gpu_descs = lambda: [tuple(d) for d in case.get("descs", [])]
+        tf_devices.tf_gpu_descs = lambda: [tuple(d) for d in case.get("descs", [])]
         try:
             if case.get("call") == "strategy":
                 kwargs = dict(case["kwargs"])
                 if kwargs.get("topology") == "FAKE":
                     kwargs["topology"] = topology
-                strategies.strategy(**kwargs)
+                single_host.strategy(**kwargs)
                 result = {{"error": None}}
             else:
-                built, plan = strategies._build(case.get("gpus", "all"), "auto", None, case.get("devices"),
+                built, plan = single_host._build(case.get("gpus", "all"), "auto", None, case.get("devices"),
                                                 topology, "auto")
                 result = {{"plan": plan.to_dict(), "summary": plan.summary(),
                            "replicas": built.num_replicas_in_sync}}
@@ -298,8 +301,8 @@ def test_item6_strategy_arguments_validated_up_front(strategy_results, name, nee
 
 # ================================================================== item 7: no measurement lost to an unusable output
 def fake_measure(calls, before_return=None):
-    """bench.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
-    from tf_nvlink import bench
+    """allreduce_bench.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
+    from tf_nvlink.tools import allreduce_bench
 
     def measure(candidates, target, sizes, **_):
         calls.append(list(sizes))
@@ -307,7 +310,7 @@ def fake_measure(calls, before_return=None):
             before_return()
         output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
                   "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
-        return bench.to_records(output, bench.parse_candidate("reduce_to_one"), target), []
+        return allreduce_bench.to_records(output, allreduce_bench.parse_candidate("reduce_to_one"), target), []
     return measure
 
 
@@ -316,15 +319,15 @@ BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", 
 
 @pytest.mark.parametrize("where", ["under a file", "missing folder", "a folder"])
 def test_item7_bench_json_unusable_path_refused_before_measuring(tmp_path, monkeypatch, capsys, where):
-    from tf_nvlink import bench
+    from tf_nvlink.tools import allreduce_bench
 
     (tmp_path / "file").write_text("x")
     path = {"under a file": tmp_path / "file" / "out.json", "missing folder": tmp_path / "nope" / "out.json",
             "a folder": tmp_path}[where]
     calls = []
-    monkeypatch.setattr(bench.cli, "measure", fake_measure(calls))  # what `tf-nvlink bench` runs
+    monkeypatch.setattr(allreduce_bench.cli, "measure", fake_measure(calls))  # what `tf-nvlink bench` runs
     with pytest.raises(SystemExit) as info:
-        bench.main(BENCH_ARGS + ["--json", str(path)])
+        allreduce_bench.main(BENCH_ARGS + ["--json", str(path)])
     assert info.value.code == 2 and calls == []  # refused before measuring
     err = capsys.readouterr().err
     assert f"--json {str(path)!r} cannot be written" in err and "Traceback" not in err, err
@@ -332,13 +335,13 @@ def test_item7_bench_json_unusable_path_refused_before_measuring(tmp_path, monke
 
 def test_item7_bench_json_write_failing_after_measuring_prints_the_records(tmp_path, monkeypatch, capsys):
     import shutil
-    from tf_nvlink import bench
+    from tf_nvlink.tools import allreduce_bench
 
     folder = tmp_path / "out"
     folder.mkdir()
     calls = []
-    monkeypatch.setattr(bench.cli, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
-    code = bench.main(BENCH_ARGS + ["--json", str(folder / "records.json")])
+    monkeypatch.setattr(allreduce_bench.cli, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
+    code = allreduce_bench.main(BENCH_ARGS + ["--json", str(folder / "records.json")])
     out, err = capsys.readouterr()
     assert code == 1 and calls == [[1024]]
     assert '"label": "reduce_to_one"' in out and "could not write --json" in err, (out, err)
@@ -346,12 +349,13 @@ def test_item7_bench_json_write_failing_after_measuring_prints_the_records(tmp_p
 
 
 def test_item7_tune_unusable_cache_refused_before_measuring(tmp_path, monkeypatch, capsys):
-    from tf_nvlink import bench, tune
+    from tf_nvlink.tools import allreduce_bench
 
+    from tf_nvlink.tools import tune
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(tmp_path / "file" / "cache"))
     calls = []
-    monkeypatch.setattr(bench, "measure", fake_measure(calls))
+    monkeypatch.setattr(allreduce_bench, "measure", fake_measure(calls))
     with pytest.raises(SystemExit) as info:
         tune.main(BENCH_ARGS)
     err = capsys.readouterr().err
@@ -361,8 +365,9 @@ def test_item7_tune_unusable_cache_refused_before_measuring(tmp_path, monkeypatc
 
 def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, monkeypatch, capsys):
     import shutil
-    from tf_nvlink import bench, tune
+    from tf_nvlink.tools import allreduce_bench
 
+    from tf_nvlink.tools import tune
     cache = tmp_path / "cache"
     monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(cache))
 
@@ -370,7 +375,7 @@ def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, mo
         shutil.rmtree(cache)
         cache.write_text("not a folder")
     calls = []
-    monkeypatch.setattr(bench, "measure", fake_measure(calls, before_return=break_the_cache))
+    monkeypatch.setattr(allreduce_bench, "measure", fake_measure(calls, before_return=break_the_cache))
     code = tune.main(BENCH_ARGS)
     out, err = capsys.readouterr()
     assert code == 1 and calls == [[1024]]
@@ -380,11 +385,11 @@ def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, mo
 # ================================================================== item 8: bench sizes bounded, records validated
 @pytest.mark.parametrize("text", ["99999999999G", "17G", "20000000000"])
 def test_item8_sizes_are_bounded(text):
-    from tf_nvlink import bench
+    from tf_nvlink.tools import allreduce_bench
 
-    with pytest.raises(bench.BenchError, match=r"at most 16G.*Received: '" + text):
-        bench.parse_size(text)
-    assert bench.parse_size("16G") == 16 * 2**30
+    with pytest.raises(allreduce_bench.BenchError, match=r"at most 16G.*Received: '" + text):
+        allreduce_bench.parse_size(text)
+    assert allreduce_bench.parse_size("16G") == 16 * 2**30
 
 
 GOOD_RECORD = {"label": "nccl:1", "candidate": "nccl:1", "variant": "", "size_bytes": 1024, "status": "ok",
@@ -397,21 +402,21 @@ GOOD_RECORD = {"label": "nccl:1", "candidate": "nccl:1", "variant": "", "size_by
     ({"variant": None}, "variant=None"),
 ])
 def test_item8_from_json_malformed_record_is_a_clear_error(tmp_path, capsys, change, needle):
-    from tf_nvlink import bench
+    from tf_nvlink.tools import allreduce_bench
 
     path = tmp_path / "records.json"
     path.write_text(json.dumps([GOOD_RECORD, dict(GOOD_RECORD, **change)]))
     with pytest.raises(SystemExit) as info:
-        bench.main(["--from_json", str(path)])
+        allreduce_bench.main(["--from_json", str(path)])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "record 1" in err and needle in err and "Traceback" not in err, err
     path.write_text(json.dumps([GOOD_RECORD]))
-    assert bench.main(["--from_json", str(path)]) == 0
+    assert allreduce_bench.main(["--from_json", str(path)]) == 0
 
 
 # ================================================================== item 9: cache hardening
 def tune_record(**changes):
-    from tf_nvlink import tune
+    from tf_nvlink.tools import tune
 
     record = {"fingerprint": "abc123abc123", "tf_version": "2.21.0", "gpus": [0, 1], "candidate": "nccl:1",
               "cross_device_ops": "nccl", "num_packs": 1, "score": 200.0, "sizes": [16 * 2**20],
@@ -421,7 +426,7 @@ def tune_record(**changes):
 
 
 def test_item9_lock_file_is_not_followed_through_a_symlink(tmp_path):
-    from tf_nvlink import tune
+    from tf_nvlink.tools import tune
 
     path = tmp_path / "autotune.json"
     elsewhere = tmp_path / "elsewhere"
@@ -434,7 +439,7 @@ def test_item9_lock_file_is_not_followed_through_a_symlink(tmp_path):
 def test_item9_fifo_at_the_cache_path_is_refused_not_waited_on(tmp_path, caplog):
     import os
     import threading
-    from tf_nvlink import tune
+    from tf_nvlink.tools import tune
 
     path = tmp_path / "autotune.json"
     os.mkfifo(path)
@@ -450,7 +455,7 @@ def test_item9_fifo_at_the_cache_path_is_refused_not_waited_on(tmp_path, caplog)
                                     {"score": 1e300}, {"scores": {"nccl:1": 1e300}}, {"gpus": [0, 10**9]}],
                          ids=lambda c: next(iter(c)))
 def test_item9_hand_edited_entries_out_of_range_are_ignored(tmp_path, change):
-    from tf_nvlink import tune
+    from tf_nvlink.tools import tune
 
     path = tmp_path / "autotune.json"
     good, good_key = tune_record()
@@ -465,7 +470,7 @@ def test_item9_hand_edited_entries_out_of_range_are_ignored(tmp_path, change):
                                            ("/abs/cache", "/abs/cache/tf_nvlink")])
 def test_item9_relative_xdg_cache_home_is_ignored(monkeypatch, xdg, expected):
     import os
-    from tf_nvlink import tune
+    from tf_nvlink.tools import tune
 
     monkeypatch.delenv("TF_NVLINK_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
@@ -485,7 +490,7 @@ TRACEBACK = ('Traceback (most recent call last):\n  File "/x/training_bench.py",
     ("", "(no message)"),
 ])
 def test_item11_no_traceback_text_in_tables(error, expected):
-    from tf_nvlink import training_bench
+    from tf_nvlink.tools.training_bench import cli as training_bench
 
     line = training_bench.error_line(error)
     assert line.startswith(expected[:60]) and "Traceback" not in line and "\n" not in line and len(line) <= 150
@@ -494,7 +499,7 @@ def test_item11_no_traceback_text_in_tables(error, expected):
 
 
 def test_item11_cpu_candidates_leave_out_what_needs_gpus():
-    from tf_nvlink import training_bench
+    from tf_nvlink.tools.training_bench import cli as training_bench
 
     kept, dropped = training_bench.cpu_candidates(
         ["1gpu", "stock", "auto", "collective", "nccl", "reduce_to_one", "hierarchical", "auto@nop2p", "auto@fused",

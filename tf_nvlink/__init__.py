@@ -12,30 +12,30 @@ so `tf-nvlink report --no-tf` answers instantly.
 
 __version__ = "0.1.0"
 
-from tf_nvlink import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
+from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
 __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "sync_non_trainable", "synced_step",
            "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
-    """The tf.distribute strategy for this machine; see `tf_nvlink.strategies.strategy` for every argument.
+    """The tf.distribute strategy for this machine; see `tf_nvlink.distribute.single_host.strategy` for every argument.
 
     Example:
         >>> import tf_nvlink
         >>> with tf_nvlink.strategy(gpus="auto").scope():
         ...     model = build_model()
     """
-    from tf_nvlink import strategies  # TensorFlow is imported here, not at `import tf_nvlink`
+    from tf_nvlink.distribute import single_host  # TensorFlow is imported here, not at `import tf_nvlink`
 
-    return strategies.strategy(gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, **kwargs)
+    return single_host.strategy(gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, **kwargs)
 
 
 def current_plan():
     """The `Plan` of the strategy this process built with `strategy()`, or None before the first call."""
-    from tf_nvlink import strategies
+    from tf_nvlink.distribute import single_host
 
-    return strategies.current_plan()
+    return single_host.current_plan()
 
 
 def probe(nvml=None):
@@ -46,7 +46,7 @@ def probe(nvml=None):
 def sync_non_trainable(model, variables=None):
     """Average the model's non-trainable state (BatchNorm moving statistics) across replicas, in a custom
     training loop's replica function; `model.fit` under a tf_nvlink strategy does it by itself.
-    See `tf_nvlink.replicas.sync_non_trainable`.
+    See `tf_nvlink.training.replica_sync.sync_non_trainable`.
 
     Example:
         >>> def step_fn(x, y):
@@ -54,27 +54,27 @@ def sync_non_trainable(model, variables=None):
         ...     tf_nvlink.sync_non_trainable(model)
         >>> strategy.run(step_fn, args=(x, y))
     """
-    from tf_nvlink import replicas
+    from tf_nvlink.training import replica_sync
 
-    return replicas.sync_non_trainable(model, variables)
+    return replica_sync.sync_non_trainable(model, variables)
 
 
 def synced_step(model, step):
     """Wrap a replica function for `strategy.run` so the non-trainable state it writes ends identical on every
-    replica. See `tf_nvlink.replicas.synced_step`.
+    replica. See `tf_nvlink.training.replica_sync.synced_step`.
 
     Example:
         >>> strategy.run(tf_nvlink.synced_step(model, step_fn), args=(batch,))
     """
-    from tf_nvlink import replicas
+    from tf_nvlink.training import replica_sync
 
-    return replicas.synced_step(model, step)
+    return replica_sync.synced_step(model, step)
 
 
 def __getattr__(name):
-    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.monitor), imported with Keras on first use."""
+    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.training.nvlink_monitor), imported with Keras on first use."""
     if name == "NVLinkMonitor":
-        from tf_nvlink import monitor
+        from tf_nvlink.training import nvlink_monitor
 
-        return monitor.NVLinkMonitor
+        return nvlink_monitor.NVLinkMonitor
     raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")

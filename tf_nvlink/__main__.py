@@ -17,9 +17,11 @@ import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import tf_nvlink
-from tf_nvlink import bench, report, tune
+from tf_nvlink.tools import allreduce_bench
 
 
+from tf_nvlink.tools import report
+from tf_nvlink.tools import tune
 class Subcommand(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
@@ -29,7 +31,7 @@ class Subcommand(NamedTuple):
 # name -> Subcommand; the first one is what a bare `tf-nvlink` (or `tf-nvlink --json`) runs.
 SUBCOMMANDS: dict[str, Subcommand] = {
     "report": Subcommand(report.HELP, report.add_arguments, report.run),
-    "bench": Subcommand(bench.HELP, bench.add_arguments, bench.run),
+    "bench": Subcommand(allreduce_bench.HELP, allreduce_bench.add_arguments, allreduce_bench.run),
     "tune": Subcommand(tune.HELP, tune.add_arguments, tune.run),
 }
 DEFAULT_SUBCOMMAND = "report"

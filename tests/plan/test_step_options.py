@@ -1,0 +1,270 @@
+"""Step knobs of the plan (tf_nvlink.plan.step_options.choose_knobs) and how the strategy applies them: XLA flags merged
+into XLA_FLAGS (the user's win), gradients all-reduced in bfloat16, input prefetched to each replica's device."""
+
+import json
+import os
+
+import pytest
+
+import fake_nvml
+from conftest import run_python
+from fake_nvml import FakeNvml
+from tf_nvlink.plan import step_options
+
+from tf_nvlink.machine import nvml
+from tf_nvlink.plan import policy
+LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
+def plan_for(machine, gpus="all", xla_allreduce="auto"):
+    return policy.make_plan(nvml.probe(FakeNvml(fake_nvml.MACHINES[machine]())), gpus,
+                            xla_allreduce=xla_allreduce)
+
+
+@pytest.mark.parametrize("machine, gpus, mode, expected", [
+    ("h200_x2", "all", "auto", (LHS,)),        # 2 GPUs, fused: the all-reduce is inside XLA, overlap it
+    ("h100_hgx_x8", "all", "auto", (LHS,)),
+    ("h200_x2", "all", "split", ()),           # all-reduce outside XLA: nothing for XLA's scheduler to overlap
+    ("h200_x2", "0", "auto", ()),              # one GPU: no collective at all
+    ("no_driver", "all", "auto", ()),          # CPU
+])
+def test_xla_flags_chosen_for_fused_multi_gpu_xla_only(machine, gpus, mode, expected):
+    plan = step_options.choose_knobs(plan_for(machine, gpus, mode))
+    assert plan.xla_flags == expected and plan.xla_flags_kept == ()
+    assert (LHS in plan.summary()) == bool(expected)
+    assert plan.to_dict()["xla_flags"] == list(expected)
+
+
+def test_users_xla_flags_win_and_are_recorded():
+    user = "--xla_dump_to=/tmp/dump --xla_gpu_enable_latency_hiding_scheduler=false"
+    plan = step_options.choose_knobs(plan_for("h200_x2"), user_xla_flags=user)
+    assert plan.xla_flags == () and plan.xla_flags_kept == ("--xla_gpu_enable_latency_hiding_scheduler=false",)
+    assert "user's XLA_FLAGS kept: --xla_gpu_enable_latency_hiding_scheduler=false" in plan.summary()
+    value, added, kept = step_options.merge_xla_flags("--xla_dump_to=/tmp/dump", (LHS,))
+    assert value == "--xla_dump_to=/tmp/dump " + LHS and added == (LHS,) and kept == ()
+    assert step_options.merge_xla_flags("", ())[0] == ""
+
+
+def test_xla_flags_none_and_explicit_lists():
+    assert step_options.choose_knobs(plan_for("h200_x2"), xla_flags="none").xla_flags == ()
+    explicit = ["--xla_gpu_all_reduce_combine_threshold_bytes=134217728", LHS]
+    assert step_options.choose_knobs(plan_for("no_driver"), xla_flags=explicit).xla_flags == tuple(explicit)
+
+
+@pytest.mark.parametrize("bad", ["on", "", ["--xla_made_up_flag=true"], ["xla_gpu_enable_latency_hiding_scheduler"],
+                                 [LHS + " --x=1"], 3])
+def test_bad_xla_flags_are_refused_naming_the_valid_choices(bad):
+    with pytest.raises(ValueError, match="xla_flags") as info:
+        step_options.choose_knobs(plan_for("h200_x2"), xla_flags=bad)
+    assert "auto" in str(info.value) or "xla_gpu_enable_latency_hiding_scheduler" in str(info.value)
+
+
+def test_allreduce_dtype_and_input_buffer():
+    plan = step_options.choose_knobs(plan_for("h200_x2"), allreduce_dtype="bfloat16")
+    assert plan.allreduce_dtype == "bfloat16" and "gradients all-reduced in bfloat16" in plan.summary()
+    assert plan.input_buffer == step_options.GPU_INPUT_BUFFER == 1 and "1 batch deep" in plan.summary()
+    assert step_options.choose_knobs(plan_for("no_driver")).input_buffer == 0  # CPU: TensorFlow's own options
+    assert step_options.choose_knobs(plan_for("h200_x2"), input_buffer=1).input_buffer == 1
+    with pytest.raises(ValueError, match="allreduce_dtype should be one of \\['float32', 'bfloat16'\\]"):
+        step_options.choose_knobs(plan_for("h200_x2"), allreduce_dtype="float16")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="input_buffer should be a positive integer"):
+            step_options.choose_knobs(plan_for("h200_x2"), input_buffer=bad)
+    default = step_options.choose_knobs(plan_for("no_driver"))
+    assert default.allreduce_dtype == "float32" and default.knobs_summary() == ""
+
+
+def test_decide_chooses_the_knobs_for_the_final_plan():
+    """policy.decide (what strategy() and the report call) picks the knobs last: from the user's XLA_FLAGS in the
+    facts, and after the NCCL fallback, which makes the plan split (no collective inside XLA: no flags)."""
+    topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_knobs=("auto", "bfloat16", None))
+    assert (plan.xla_allreduce, plan.xla_flags, plan.allreduce_dtype, plan.input_buffer) == \
+        ("fused", (LHS,), "bfloat16", 1)
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false"
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2, user_xla_flags=user))
+    assert plan.xla_flags == () and plan.xla_flags_kept == (user,) and plan.allreduce_dtype == "float32"
+    plan, warnings = policy.decide(policy.Facts(topo, tf_gpu_count=2, nccl_available=False))
+    assert plan.xla_allreduce == "split" and plan.xla_flags == () and "no NCCL" in warnings[0]
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=0, no_gpu_cause="x"), asked_knobs=(
+        [LHS], "float32", 3))
+    assert plan.gpus == () and plan.xla_flags == (LHS,) and plan.input_buffer == 3  # explicit: as given
+    assert step_options.validate_request([LHS], "bfloat16", 1) == ((LHS,), "bfloat16", 1)
+
+
+def test_apply_xla_flags_merges_into_the_environment():
+    from tf_nvlink.distribute import single_host
+
+    plan = step_options.choose_knobs(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}
+    assert single_host.apply_xla_flags(plan, environ=environ) == "--xla_dump_to=/tmp/d " + LHS == environ["XLA_FLAGS"]
+    # again from the user's value (as the strategy does after its provisional setting): nothing added twice
+    assert single_host.apply_xla_flags(plan, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"]
+    # a final plan without flags takes the provisional ones back: the user's value, or no variable at all
+    cpu = step_options.choose_knobs(plan_for("no_driver"))
+    assert single_host.apply_xla_flags(cpu, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"] == \
+        "--xla_dump_to=/tmp/d"
+    assert single_host.apply_xla_flags(cpu, "", environ) == "" and "XLA_FLAGS" not in environ
+
+
+def test_xla_flags_set_before_tensorflow_is_asked_and_taken_back_on_failure(tf, monkeypatch):
+    """On a 2-GPU NVML machine the NVML-only plan's flags are in XLA_FLAGS when gather_facts asks TensorFlow for
+    its GPUs; when building then fails, the user's value is back."""
+    from tf_nvlink.distribute import single_host
+
+    topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    seen = []
+
+    def failing_gather_facts(*args, **kwargs):
+        seen.append((os.environ.get("XLA_FLAGS"), kwargs.get("user_xla_flags")))
+        raise RuntimeError("TensorFlow failed")
+
+    monkeypatch.setattr(single_host, "gather_facts", failing_gather_facts)
+    with pytest.raises(RuntimeError, match="TensorFlow failed"):
+        single_host._build("all", "auto", None, None, topo, "auto")
+    assert seen == [("--xla_dump_to=/tmp/d " + LHS, "--xla_dump_to=/tmp/d")]
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+
+
+STRATEGY_SCRIPT = """
+import json, os, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+s = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], xla_flags=json.loads(sys.argv[1]))
+with s.scope():
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    m.compile(optimizer="sgd", loss="mse", jit_compile=True)
+m.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)  # XLA parses XLA_FLAGS
+p = tf_nvlink.current_plan()
+print(json.dumps({"env": os.environ.get("XLA_FLAGS"), "flags": p.xla_flags, "kept": p.xla_flags_kept}))
+"""
+
+
+@pytest.mark.parametrize("user, expected_env, expected_kept", [
+    (None, LHS, []),
+    ("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_gpu_enable_latency_hiding_scheduler=false",
+     ["--xla_gpu_enable_latency_hiding_scheduler=false"]),
+], ids=["no_user_flags", "user_flag_wins"])
+def test_strategy_sets_xla_flags_before_xla_compiles(user, expected_env, expected_kept):
+    """On CPUs "auto" adds nothing, so the explicit list stands in for a 2-GPU fused plan; XLA (CPU) accepts the
+    flag and the jit fit trains (an unknown flag name would abort the process)."""
+    env = {"XLA_FLAGS": user} if user else {}
+    proc = run_python(["-c", STRATEGY_SCRIPT, json.dumps([LHS])], env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["env"] == expected_env and record["kept"] == expected_kept
+    assert record["flags"] == ([] if user else [LHS])
+
+
+BF16_SCRIPT = """
+import json, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+dtype, jit = sys.argv[1], sys.argv[2] == "1"
+reduced = []  # (dtype, shape) of every tensor all-reduced across the replicas
+original = tf.distribute.ReplicaContext.all_reduce
+def spy(self, op, value, options=None):
+    if self.strategy.num_replicas_in_sync > 1:  # not the one-device model's no-op all-reduce
+        reduced.extend((t.dtype.name, list(t.shape)) for t in tf.nest.flatten(value))
+    return original(self, op, value, options)
+tf.distribute.ReplicaContext.all_reduce = spy
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 20)).astype("float32"); y = rng.integers(0, 3, 256).astype("int32")
+def build():
+    keras.utils.set_random_seed(7)
+    m = keras.Sequential([keras.Input((20,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    m.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=jit,
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+one = build(); one.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)  # one device, global batch
+s = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], allreduce_dtype=dtype)
+with s.scope():
+    two = build()
+two.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one.get_weights(), two.get_weights()))
+print(json.dumps({"diff": diff, "kernel_dtypes": sorted({d for d, shape in reduced if shape == [20, 16]})}))
+"""
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "split_xla"])
+def test_bfloat16_allreduce_trains_close_to_float32_and_really_reduces_bfloat16(jit):
+    """2 CPU replicas, 12 SGD steps against one device on the same global batches. float32: equal to rounding
+    (< 1e-6); bfloat16 (8-bit mantissa, ~0.4% per sum): within 2e-3 of it, and visibly not float32 (> 1e-5)."""
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        proc = run_python(["-c", BF16_SCRIPT, dtype, "1" if jit else "0"], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["float32"]["kernel_dtypes"] == ["float32"] and results["float32"]["diff"] < 1e-6
+    assert results["bfloat16"]["kernel_dtypes"] == ["bfloat16"]
+    assert 1e-5 < results["bfloat16"]["diff"] < 2e-3
+
+
+def test_fit_prefetches_to_each_replica_with_the_plans_buffer():
+    """The strategy passes InputOptions(fetch to device, buffer K) to experimental_distribute_dataset when Keras
+    gives none, and fit trains exactly as with TensorFlow's default options."""
+    script = """
+import json, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+buffer = json.loads(sys.argv[1])
+seen = []
+original = tf.distribute.MirroredStrategy.experimental_distribute_dataset
+def spy(self, dataset, options=None):
+    seen.append(None if options is None else [options.experimental_fetch_to_device,
+                                              options.experimental_per_replica_buffer_size])
+    return original(self, dataset, options)
+tf.distribute.MirroredStrategy.experimental_distribute_dataset = spy
+s = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], input_buffer=buffer)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 6)).astype("float32"); y = rng.normal(size=(128, 1)).astype("float32")
+with s.scope():
+    keras.utils.set_random_seed(3)
+    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+m.fit(ds, epochs=2, verbose=0)
+print(json.dumps({"options": seen[0], "plan_buffer": s.plan.input_buffer,
+                  "weights": [w.tolist() for w in m.get_weights()]}))
+"""
+    records = {}
+    for buffer in (None, 3):
+        proc = run_python(["-c", script, json.dumps(buffer)], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[buffer] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert records[None]["options"] is None and records[None]["plan_buffer"] == 0  # CPU: TensorFlow's defaults
+    assert records[3]["options"] == [True, 3] and records[3]["plan_buffer"] == 3
+    assert records[3]["weights"] == records[None]["weights"]
+
+
+def test_strategy_refuses_bad_knobs_before_building(tf):
+    import tf_nvlink
+
+    for kwargs, match in [({"xla_flags": "fast"}, "xla_flags should be one of"),
+                          ({"allreduce_dtype": "int8"}, "allreduce_dtype should be one of"),
+                          ({"input_buffer": 0}, "input_buffer should be a positive integer")]:
+        with pytest.raises(ValueError, match=match):
+            tf_nvlink.strategy(**kwargs)
+
+
+def test_report_shows_the_knobs_and_the_users_xla_flags():
+    from tf_nvlink.tools import report
+
+    topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
+    data = report.collect(topology=topo, with_tf=False, environ={})
+    assert data["plan"]["xla_flags"] == [LHS] and data["plan"]["input_buffer"] == 1
+    knobs = next(line for line in report.render_text(data).splitlines() if line.startswith("  knobs"))
+    assert knobs == (f"  knobs      XLA_FLAGS += {LHS}; gradients all-reduced in float32; input prefetched 1 "
+                     f"batch deep per GPU")
+    user = "--xla_gpu_enable_latency_hiding_scheduler=false"
+    data = report.collect(topology=topo, with_tf=False, environ={"XLA_FLAGS": user})
+    assert data["plan"]["xla_flags"] == [] and data["plan"]["xla_flags_kept"] == [user]
+    assert f"user's XLA_FLAGS kept: {user}" in data["plan"]["summary"]

@@ -1,0 +1,229 @@
+"""The training benchmark (tf_nvlink/training_bench.py, its worker tf_nvlink/bench/training_worker.py, its models in
+tf_nvlink/models.py, examples/benchmark.py) on logical CPU devices."""
+
+import pytest
+
+from conftest import run_python
+from tf_nvlink.tools.training_bench import models
+
+
+from tf_nvlink.tools.training_bench import cli as training_bench
+@pytest.mark.parametrize("text, expected", [
+    ("1gpu,auto", ["1gpu", "auto"]),
+    ("nccl@nop2p, auto@split", ["nccl@nop2p", "auto@split"]),
+    ("auto@nop2p@fused", ["auto@nop2p@fused"]),
+    ("workers,workers@nop2p", ["workers", "workers@nop2p"]),
+    ("auto@nolhs,auto@bf16grad@nop2p,auto@buffer1", ["auto@nolhs", "auto@bf16grad@nop2p", "auto@buffer1"]),
+    ("1gpu@ondevice,stock@ondevice,workers@ondevice", ["1gpu@ondevice", "stock@ondevice", "workers@ondevice"]),
+])
+def test_parse_candidates(text, expected):
+    assert training_bench.parse_candidates(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "gpu", "auto@fast", "auto@split@fused", "auto@nop2p@nop2p", "auto@bf16"])
+def test_parse_candidates_rejects_unknown_names_listing_valid_ones(text):
+    with pytest.raises(ValueError, match="reduce_to_one"):
+        training_bench.parse_candidates(text)
+
+
+@pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split", "1gpu@bf16grad", "stock@nolhs",
+                                  "workers@buffer1"])
+def test_strategy_knobs_only_for_tf_nvlink_single_process_strategies(text):
+    with pytest.raises(ValueError, match="only '@nop2p' and '@ondevice' apply"):
+        training_bench.parse_candidates(text)
+
+
+def test_workers_candidate_needs_two_gpus_without_cpu_workers(monkeypatch):
+    from tf_nvlink.machine import nvml
+    from tf_nvlink.machine.topology import Topology
+
+    assert training_bench.worker_layout(cpu_devices=3) == ["", "", ""]
+    monkeypatch.setattr(nvml, "probe", lambda: Topology(error="NVML Shared Library Not Found"))
+    with pytest.raises(ValueError, match="needs 2 or more GPUs.*--cpu_devices"):
+        training_bench.worker_layout()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+def test_workers_candidate_trains_on_two_cpu_workers_in_lockstep(jit):
+    """Two MultiWorkerMirroredStrategy processes on localhost, started and reaped together. With XLA the
+    gradients are compiled per worker and all-reduced outside XLA ("split"): XLA's own all-reduce cannot span
+    processes (it failed on 2x H200)."""
+    records = training_bench.run_candidates("convnet", ["workers"], steps=2, jit=jit, cpu_devices=2, timeout=240,
+                                            rounds=1, warmup_steps=1)
+    record = records[0]
+    assert "error" not in record, record.get("error")
+    assert record["workers"] == 2 and record["replicas"] == 2 and len(record["worker_step_ms"]) == 2
+    assert record["examples_per_s"] > 0 and "MultiWorkerMirroredStrategy, 2 workers" in record["plan"]
+    assert record["jit_compile"] is jit and record["xla_allreduce"] == ("split" if jit else None)
+
+
+def test_table_shows_measured_nvlink_bytes_beside_the_expected_ones():
+    """Issue 17: each candidate's NVLink bytes per step (NVLinkMonitor in the worker) beside the all-reduce's."""
+    rows = [
+        {"candidate": "1gpu", "replicas": 1, "jit_compile": True, "step_ms": 30.0, "examples_per_s": 4200.0,
+         "nvlink_bytes_per_step": None, "nvlink_expected_bytes_per_step": None,
+         "nvlink_unavailable": "one replica (no multi-GPU strategy): nothing is all-reduced over NVLink"},
+        {"candidate": "auto", "replicas": 2, "jit_compile": True, "step_ms": 36.0, "examples_per_s": 7100.0,
+         "nvlink_bytes_per_step": 98.0 * 2**20, "nvlink_expected_bytes_per_step": 97.6 * 2**20},
+        {"candidate": "auto@nop2p", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
+         "nvlink_bytes_per_step": 0.0, "nvlink_expected_bytes_per_step": 97.6 * 2**20},
+        {"candidate": "auto@pcie", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
+         "nvlink_bytes_per_step": None, "nvlink_unavailable": "GPU 0: no NVLink"},
+    ]
+    lines = training_bench.render_table(rows).splitlines()
+    assert lines[0].split()[-1] == "NVLink/expected" and lines[1].split()[-1] == "(MiB/step/GPU)"
+    cells = {line.split()[0]: line.split()[-1] for line in lines[2:6]}
+    assert cells == {"1gpu": "n/a", "auto": "98.0/97.6", "auto@nop2p": "0.0/97.6", "auto@pcie": "n/a"}
+    footer = next(line for line in lines if line.startswith("# NVLink/expected"))
+    assert footer.endswith("; n/a: auto@pcie: GPU 0: no NVLink")  # one replica needs no reason
+
+
+def test_table_ratios_scaling_and_nvlink_speedup():
+    rows = [
+        {"candidate": "1gpu", "replicas": 1, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 3200.0},
+        {"candidate": "stock", "replicas": 2, "jit_compile": False, "step_ms": 200.0, "examples_per_s": 1280.0},
+        {"candidate": "auto", "replicas": 2, "jit_compile": True, "step_ms": 44.0, "examples_per_s": 5760.0,
+         "plan": "tf_nvlink plan: X"},
+        {"candidate": "auto@nop2p", "replicas": 2, "jit_compile": True, "step_ms": 50.0, "examples_per_s": 4800.0},
+        {"candidate": "nccl", "error": "boom"},
+    ]
+    table = training_bench.render_table(rows)
+    auto_row = next(line for line in table.splitlines() if line.startswith("auto "))
+    assert auto_row.split()[-3:] == ["1.80", "0.90", "4.50"]  # vs 1 GPU, scaling, vs stock
+    assert "NVLink speed-up for auto: 1.20x" in table
+    assert "nccl" in table and "FAILED: boom" in table and "# tf_nvlink plan: X" in table
+    assert "run-to-run noise" not in table
+
+
+def test_table_gives_the_cost_of_the_batch_norm_statistics_sync():
+    rows = [{"candidate": name, "replicas": 2, "jit_compile": True, "step_ms": 3.0, "examples_per_s": eps}
+            for name, eps in (("auto@fused", 990.0), ("auto@fused@nosync", 1000.0))]
+    assert "BatchNorm-statistics sync costs auto@fused 1.0% (990 vs 1000 examples/s without it)" in (
+        training_bench.render_table(rows))
+    assert training_bench.parse_candidates("auto@fused@nosync") == ["auto@fused@nosync"]
+
+
+def test_table_says_ops_do_not_matter_under_fused_xla():
+    rows = [{"candidate": name, "replicas": 2, "jit_compile": True, "step_ms": 3.0, "examples_per_s": eps,
+             "xla_allreduce": "fused"} for name, eps in (("auto", 690e3), ("hierarchical", 868e3))]
+    rows.append({"candidate": "nccl@split", "replicas": 2, "jit_compile": True, "step_ms": 3.0,
+                 "examples_per_s": 600e3, "xla_allreduce": "split"})
+    line = next(x for x in training_bench.render_table(rows).splitlines() if "noise" in x)
+    assert line.startswith("# auto, hierarchical: the all-reduce ran inside XLA") and "nccl@split" not in line
+
+
+def test_benchmark_example_runs_candidates_in_their_own_processes(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_python(["examples/benchmark.py", "--model", "convnet", "--candidates", "1gpu,auto",
+                       "--cpu_devices", "2", "--steps", "2", "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "examples/s" in proc.stdout and "# tf_nvlink plan: CPU" in proc.stdout
+    import json
+
+    records = json.loads(out.read_text())
+    assert [r["candidate"] for r in records] == ["1gpu", "auto"]
+    assert records[1]["replicas"] == 2 and records[1]["jit_compile"] and records[0]["examples_per_s"] > 0
+
+
+def test_benchmark_example_rejects_bad_candidates():
+    proc = run_python(["examples/benchmark.py", "--candidates", "warp_drive"], timeout=120)
+    assert proc.returncode != 0 and "Unknown candidate 'warp_drive'" in proc.stderr
+
+
+def test_rounds_report_the_median_round_and_the_spread():
+    rounds = [{"candidate": "auto", "examples_per_s": eps, "step_ms": 1.0} for eps in (700.0, 600.0, 800.0)]
+    combined = training_bench.combine_rounds(rounds)
+    assert combined["examples_per_s"] == 700.0 and combined["rounds_examples_per_s"] == [700.0, 600.0, 800.0]
+    assert combined["spread"] == pytest.approx(200 / 700, abs=1e-4)
+    partly = training_bench.combine_rounds([{"candidate": "auto", "error": "boom"}, rounds[1], rounds[2]])
+    assert partly["examples_per_s"] == 600.0 and partly["failed_rounds"] == ["boom"]  # lower middle of 2
+    assert "error" in training_bench.combine_rounds([{"candidate": "x", "error": "a"}, {"candidate": "x",
+                                                                                         "error": "b"}])
+    assert training_bench.combine_rounds(rounds[:1]) == rounds[0]
+
+
+def test_two_interleaved_rounds_on_cpu(capsys):
+    records = training_bench.run_candidates("convnet", ["1gpu", "auto"], steps=2, jit=False, cpu_devices=2,
+                                            rounds=2, timeout=240, warmup_steps=1)
+    assert [len(r["rounds_examples_per_s"]) for r in records] == [2, 2]
+    order = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if "round" in line]
+    assert order == ["1gpu (round 1/2)", "auto (round 1/2)", "1gpu (round 2/2)", "auto (round 2/2)"]
+    table = training_bench.render_table(records)
+    assert "spread" in table and "2 rounds, candidates interleaved" in table
+    with pytest.raises(ValueError, match="rounds should be a positive integer"):
+        training_bench.run_candidates("convnet", ["1gpu"], rounds=0)
+
+
+def test_host_batches_come_in_the_dtypes_users_feed():
+    images, labels = models.synthetic_batch("convnet", 6)
+    assert images.dtype == "uint8" and images.shape == (6, 16, 16, 3) and labels.dtype == "int32"
+    tokens, targets = models.synthetic_batch("transformer_tiny", 3)
+    assert tokens.dtype == targets.dtype == "int32" and tokens.shape == targets.shape == (3, 16)
+    assert (tokens[:, 1:] == targets[:, :-1]).all()  # next-token targets
+    features, _ = models.synthetic_batch("mlp", 2)
+    assert features.dtype == "float32" and features.shape == (2, 784)
+    big = models.TRANSFORMER_CONFIGS["transformer"]
+    assert (big["d_model"], big["num_layers"], big["num_heads"], big["seq_len"]) == (1024, 24, 16, 512)
+
+
+@pytest.mark.parametrize("name", ["convnet", "transformer_tiny"])
+def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
+    """`--input device` gathers the examples from a copy held in the model: same outputs as feeding them."""
+    import keras
+    import numpy as np
+
+    x, _ = models.synthetic_batch(name, 4)
+    keras.utils.set_random_seed(1)
+    host = models.build_bench_model(name, x, keras, "host")
+    keras.utils.set_random_seed(1)  # the same initial weights
+    device = models.build_bench_model(name, x, keras, "device")
+    order = np.array([2, 0, 3, 1], dtype="int32")
+    np.testing.assert_allclose(device.predict(order, verbose=0), host.predict(x[order], verbose=0), rtol=1e-5)
+    assert len(device.trainable_variables) == len(host.trainable_variables)  # the held batch is not trained
+    assert host.inputs[0].dtype == x.dtype and device.inputs[0].dtype == "int32"
+    with pytest.raises(ValueError, match="input should be one of \\['host', 'device'\\]"):
+        models.build_bench_model(name, x, keras, "disk")
+
+
+@pytest.mark.parametrize("model, candidates", [
+    ("mlp", ["1gpu", "auto@bf16grad"]),
+    ("transformer_tiny", ["auto", "auto@ondevice"]),
+])
+def test_bench_workers_train_on_two_cpu_replicas(model, candidates):
+    records = training_bench.run_candidates(model, candidates, steps=2, warmup_steps=1, cpu_devices=2, rounds=1,
+                                            timeout=240)
+    assert [r.get("error") for r in records] == [None, None]
+    assert [r["candidate"] for r in records] == candidates and all(r["examples_per_s"] > 0 for r in records)
+    assert records[1]["replicas"] == 2 and records[1]["jit_compile"] and records[1]["xla_allreduce"] == "split"
+    if model == "mlp":
+        assert records[0]["replicas"] == 1 and records[0]["input"] == "host"
+        assert records[1]["allreduce_dtype"] == "bfloat16" and "all-reduced in bfloat16" in records[1]["plan"]
+    else:
+        assert [r["input"] for r in records] == ["host", "device"]
+        assert records[0]["tokens_per_s"] == pytest.approx(16 * records[0]["examples_per_s"])
+        assert records[0]["parameters"] == records[1]["parameters"] == 21312
+        assert "tokens/s" in training_bench.render_table(records)
+
+
+def test_table_knob_ratios_and_scaling_per_input():
+    def row(name, eps, replicas=2, input_mode="host"):
+        return {"candidate": name, "replicas": replicas, "jit_compile": True, "step_ms": 1.0, "examples_per_s": eps,
+                "input": input_mode, "spread": 0.05}
+
+    rows = [row("1gpu", 1000.0, 1), row("1gpu@ondevice", 1100.0, 1, "device"), row("auto", 1800.0),
+            row("auto@nolhs", 1700.0), row("auto@bf16grad", 1890.0), row("auto@buffer1", 1800.0),
+            row("auto@ondevice", 2090.0, input_mode="device"), row("auto@nop2p", 1500.0),
+            row("auto@bf16grad@nop2p", 1650.0)]
+    table = training_bench.render_table(rows)
+    lines = table.splitlines()
+    assert next(x for x in lines if x.startswith("auto@ondevice ")).split()[-4:-1] == ["1.90", "0.95", "N/A"]
+    assert next(x for x in lines if x.startswith("auto ")).split()[-4:-1] == ["1.80", "0.90", "N/A"]
+    assert "# latency-hiding scheduler on/off for auto: 1.059x (auto 1800 vs auto@nolhs 1700 examples/s)" in lines
+    assert "# bfloat16/float32 gradient all-reduce for auto: 1.050x (auto@bf16grad 1890 vs auto 1800 examples/s)" \
+        in lines
+    assert "# bfloat16/float32 gradient all-reduce for auto@nop2p: 1.100x (auto@bf16grad@nop2p 1650 vs auto@nop2p " \
+           "1500 examples/s)" in lines
+    assert "# plan's input buffer/buffer 1 for auto: 1.000x (auto 1800 vs auto@buffer1 1800 examples/s)" in lines
+    assert any(x.startswith("# data on the device/host-fed for auto: 1.161x") for x in lines)
+    assert any(x.startswith("# NVLink speed-up for auto: 1.20x") for x in lines)
+    assert any(x.startswith("# NVLink speed-up for auto@bf16grad: 1.15x") for x in lines)

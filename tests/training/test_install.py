@@ -1,0 +1,234 @@
+"""Per-replica XLA (tf_nvlink/xla/) on 2 logical CPU devices: XLA compiles for the CPU too.
+
+Each scenario runs in its own process: TensorFlow fixes its device list at first use and tolerates one
+MirroredStrategy per process. The stock-MirroredStrategy test reproduces TensorFlow's failure, so the passing
+tests show it is the plugin's mechanism that fixes it.
+"""
+
+import inspect
+import json
+
+import numpy as np
+
+
+from conftest import FUSED_CPU_EMULATION, run_python
+
+_PRELUDE = r"""
+import json, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink.training import install
+rng = np.random.default_rng(0)
+x = rng.normal(size=(128, 8, 8, 1)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
+def build():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                             keras.layers.Flatten(), keras.layers.Dense(4)])
+def compile_(model, jit=True):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"], jit_compile=jit,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+"""
+
+
+def _run(body, timeout=300):
+    proc = run_python(_PRELUDE + body, timeout=timeout)
+    return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
+
+
+def test_stock_mirrored_strategy_fails_with_jit_compile():
+    proc, _ = _run("""
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+with strategy.scope():
+    model = build(); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+""")
+    assert proc.returncode != 0
+    assert "Trying to access resource" in proc.stderr and "replica_1" in proc.stderr
+
+
+def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work():
+    proc, out = _run("""
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model)
+history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
+predictions = model.predict(x[:10], batch_size=4, verbose=0)
+compiled = list(strategy._per_replica_functions.values())  # predict's jit function, copied per replica
+print(json.dumps({"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
+                  "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce,
+                  "predict_copies": len(compiled)}))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out["jit"] and out["mode"] == "split"  # CPU replicas: fused all-reduce needs GPUs
+    assert out["loss"][-1] < out["loss"][0]
+    assert out["pred_shape"] == [10, 4] and out["predict_copies"] == 1
+
+
+def test_each_replica_gets_its_own_xla_compiled_step():
+    proc, out = _run("""
+made = []
+original_init = install.PerReplicaXlaStep.__init__
+def spy(self, *args, **kwargs):
+    original_init(self, *args, **kwargs); made.append(self)
+install.PerReplicaXlaStep.__init__ = spy
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+model.evaluate(x, y, batch_size=32, verbose=0)
+report = [{"kind": s.kind, "replicas": sorted(s._compiled),
+           "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]
+print(json.dumps(report))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s["kind"] for s in out] == ["train", "test"]
+    for step in out:
+        assert step["replicas"] == [0, 1] and step["xla"] == [True, True]
+
+
+def test_auto_jit_compile_follows_keras_rule_under_the_plugin():
+    proc, out = _run("""
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model, jit="auto")
+on_cpu = bool(model.jit_compile)
+tf.config.list_logical_devices = lambda kind=None: ["fake GPU"] if kind == "GPU" else []
+with strategy.scope():
+    model2 = build(); compile_(model2, jit="auto")
+print(json.dumps({"cpu_only": on_cpu, "with_gpu": bool(model2.jit_compile)}))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out == {"cpu_only": False, "with_gpu": True}
+
+
+def test_unsupported_keras_fails_loudly():
+    proc, _ = _run("""
+install.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+""")
+    assert proc.returncode != 0
+    assert "UnsupportedKerasError" in proc.stderr and "jit_compile=False" in proc.stderr
+    assert "pretend this Keras" in proc.stderr
+
+
+def test_train_step_without_optimizer_call_gets_a_clear_error():
+    proc, _ = _run("""
+class NoOptimizer(keras.Sequential):
+    def train_step(self, data):
+        x, y = data
+        return {"loss": tf.reduce_mean(self(x))}
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    keras.utils.set_random_seed(5)
+    model = NoOptimizer([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+""")
+    assert proc.returncode != 0 and "optimizer.apply_gradients" in proc.stderr
+
+
+def test_keras_internals_the_hook_relies_on():
+    """Pins what tf_nvlink/xla/ assumes of Keras; a Keras upgrade that changes these fails here first."""
+    import keras
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    from tf_nvlink.training import install
+
+    assert install.check_keras_support() is None
+    version = tuple(int(p) for p in keras.__version__.split(".")[:2])
+    assert install.TESTED_KERAS[0] <= version <= install.TESTED_KERAS[1], keras.__version__
+    # Keras' own methods, also when an earlier test in this process installed the hooks over them.
+    make_function = inspect.getsource(install._STATE.originals.get("_make_function", TensorFlowTrainer._make_function))
+    assert "self.distribute_strategy.run(step_function" in make_function
+    assert "jit_compile=self.jit_compile" in make_function
+    assert "self._make_function(self.train_step)" in inspect.getsource(TensorFlowTrainer.make_train_function)
+    assert "self._make_function(self.test_step)" in inspect.getsource(TensorFlowTrainer.make_test_function)
+    assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
+    assert "Disable XLA with tf.distribute" in inspect.getsource(install._STATE.originals.get(
+        "_resolve_auto_jit_compile", TensorFlowTrainer._resolve_auto_jit_compile))
+    assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
+    symbolic_build = inspect.getsource(install._STATE.originals.get("_maybe_symbolic_build",
+                                                                TensorFlowTrainer._maybe_symbolic_build))
+    assert "self._symbolic_build(data_batch=data_batch)" in symbolic_build
+    checks = inspect.getsource(keras.src.trainers.trainer.Trainer._symbolic_build)  # what fully_built() mirrors
+    for built in ("layer.built for layer in self._flatten_layers()", "self._compile_metrics.built",
+                  "self._compile_loss.built", "self.optimizer.built"):
+        assert built in checks, built
+
+
+def test_fit_makes_one_distributed_iterator_once_the_model_is_built():
+    """Keras makes a distributed iterator at every fit/evaluate under a strategy, only to take one batch for a
+    symbolic build that builds nothing once the model is built (about 100 ms of MultiDeviceIterator tracing per
+    call on a CPU). Under tf_nvlink only the first call (model not built yet) makes it; later calls make the one
+    iterator they train or evaluate with. Subclassed models, built by that first call, train the same."""
+    proc, out = _run("""
+from tensorflow.python.distribute import input_lib
+made = []
+original_iter = input_lib.DistributedDataset.__iter__
+def counting_iter(self):
+    made.append(1)
+    return original_iter(self)
+input_lib.DistributedDataset.__iter__ = counting_iter
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.flatten, self.dense = keras.layers.Flatten(), keras.layers.Dense(4)
+    def call(self, inputs):
+        return self.dense(self.flatten(inputs))
+counts, losses = {}, {}
+for name, make in (("functional", build), ("subclassed", Subclassed)):
+    with strategy.scope():
+        model = make(); compile_(model, jit=False)
+    # repeated, with steps: Keras also makes a look-ahead iterator after the last batch of a finite dataset
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+    for call in ("fit1", "fit2", "evaluate"):
+        made.clear()
+        if call == "evaluate":
+            model.evaluate(ds, steps=4, verbose=0)
+        else:
+            losses[name + call] = model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0).history["loss"][0]
+        counts[name + "_" + call] = len(made)
+print(json.dumps({"counts": counts, "losses": losses}))
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("functional", "subclassed"):
+        assert out["counts"][f"{name}_fit1"] == 2, out  # Keras' symbolic build, then the epoch
+        assert out["counts"][f"{name}_fit2"] == 1 and out["counts"][f"{name}_evaluate"] == 1, out
+        assert out["losses"][f"{name}fit2"] < out["losses"][f"{name}fit1"]
+
+
+def test_fused_mode_semantics_match_single_device_training():
+    """Fused mode's logic without XLA itself (XLA on CPU cannot compile collectives): TensorFlow's no-merge_call
+    path, which it takes under XLA on GPUs, is switched on for CPU replicas, and the per-replica functions are
+    built exactly as in fused mode but without jit. Gradients all-reduced in replica context, the optimizer
+    applied per replica, and the replica-local `iterations` counters must reproduce single-device training."""
+    script = _PRELUDE + FUSED_CPU_EMULATION + r"""
+mode = sys.argv[1]
+if mode == "fused":
+    strategy = fused_strategy_emulated_on_cpu()
+else:
+    strategy = tf.distribute.get_strategy()
+with strategy.scope():
+    model = build(); compile_(model, jit=(mode == "fused"))
+history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+counter = model.optimizer.iterations.value
+print(json.dumps({"loss": history.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
+                  "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}))
+"""
+    results = {}
+    for mode in ("single", "fused"):
+        proc = run_python(["-c", script, mode], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    single, fused = results["single"], results["fused"]
+    assert fused["iterations"] == [12, 12] and single["iterations"] == [12]  # 128 / 32 x 3 epochs, every replica
+    np.testing.assert_allclose(fused["loss"], single["loss"], rtol=1e-5)
+    for a, b in zip(single["weights"], fused["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

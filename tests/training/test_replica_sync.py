@@ -1,0 +1,267 @@
+"""Replicas that agree (tf_nvlink/replica_sync.py): BatchNorm statistics identical on every replica after fit.
+
+Two logical CPU replicas, and shards that differ on purpose: in every global batch of 64, replica 0's half is
+centred at 0 and replica 1's at 3 with twice the spread, so replicas that kept their own statistics would end
+far apart (the test with the switch off shows by how much). The first layer is a BatchNormalization on the raw
+input, so its moving statistics can be computed in NumPy from the data alone and compared exactly.
+Each scenario runs in its own process (one strategy per process).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import FUSED_CPU_EMULATION, run_python
+
+_SCRIPT = FUSED_CPU_EMULATION + r"""
+import json, os, sys, tempfile
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink.training import replica_sync
+from tf_nvlink.training import install
+mode, synchronized = sys.argv[1], sys.argv[2] == "synchronized"
+N, BATCH, EPOCHS, MOMENTUM = 256, 64, 2, 0.9
+rng = np.random.default_rng(0)
+x = rng.normal(size=(N, 6, 6, 2)).astype("float32")
+for start in range(0, N, BATCH):  # replica 1's half of every global batch: another mean and spread
+    x[start + BATCH // 2:start + BATCH] = 3.0 + 2.0 * x[start + BATCH // 2:start + BATCH]
+y = rng.integers(0, 3, N).astype("int32")
+made = []
+original_init = install.PerReplicaXlaStep.__init__
+def spy(self, *args, **kwargs):
+    original_init(self, *args, **kwargs); made.append(self)
+install.PerReplicaXlaStep.__init__ = spy
+if mode == "fused":  # fused mode's logic without XLA (conftest.FUSED_CPU_EMULATION)
+    strategy = fused_strategy_emulated_on_cpu()
+else:
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)), keras.layers.BatchNormalization(momentum=MOMENTUM, synchronized=synchronized),
+        keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(synchronized=synchronized), keras.layers.ReLU(),
+        keras.layers.Dropout(0.2), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"], jit_compile=mode in ("split", "fused"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+in_strategy = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+predictions = model.predict(x, batch_size=BATCH, verbose=0)
+path = os.path.join(tempfile.mkdtemp(), "model.keras")
+model.save(path)
+with tf.device("/cpu:0"):
+    reloaded = keras.models.load_model(path)
+    on_one_device = reloaded.evaluate(x, y, batch_size=BATCH, verbose=0)
+    reloaded_predictions = reloaded.predict(x, batch_size=BATCH, verbose=0)
+first_bn = model.layers[0]
+print(json.dumps({
+    "diff": replica_sync.replicas_max_difference(model),
+    "moving_mean": first_bn.moving_mean.numpy().tolist(), "moving_variance": first_bn.moving_variance.numpy().tolist(),
+    "evaluate": in_strategy, "reloaded_evaluate": on_one_device,
+    "predict_diff": float(np.max(np.abs(predictions - reloaded_predictions))),
+    "jit": bool(model.jit_compile),
+    "synced_inside": [type(s.step_function).__name__ == "SyncedStep" for s in made if s.kind == "train"]}))
+"""
+
+
+def _run(mode, synchronized=False, env=None):
+    proc = run_python(["-c", _SCRIPT, mode, "synchronized" if synchronized else "local"], env=env, timeout=300)
+    return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
+
+
+def _expected_first_bn(synchronized, n=256, batch=64, epochs=2, momentum=0.9):
+    """The first BatchNormalization's moving statistics, from the data: the mean of the replicas' updates."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6, 6, 2)).astype("float64")
+    for start in range(0, n, batch):
+        x[start + batch // 2:start + batch] = 3.0 + 2.0 * x[start + batch // 2:start + batch]
+    mean, variance = np.zeros(2), np.ones(2)
+    for _ in range(epochs):
+        for start in range(0, n, batch):
+            shards = [x[start:start + batch // 2], x[start + batch // 2:start + batch]]
+            if synchronized:  # every replica normalises with the whole global batch's statistics
+                batch_mean, batch_variance = x[start:start + batch].mean((0, 1, 2)), x[start:start + batch].var((0, 1, 2))
+            else:  # the mean over replicas of each shard's statistics
+                batch_mean = np.mean([s.mean((0, 1, 2)) for s in shards], axis=0)
+                batch_variance = np.mean([s.var((0, 1, 2)) for s in shards], axis=0)
+            mean = momentum * mean + (1 - momentum) * batch_mean
+            variance = momentum * variance + (1 - momentum) * batch_variance
+    return mean, variance
+
+
+def _check_agreement(out, synchronized=False):
+    assert set(out["diff"]) >= {"sequential/batch_normalization/moving_mean",
+                                "sequential/batch_normalization_1/moving_variance"}
+    assert max(out["diff"].values()) < 1e-6, out["diff"]
+    mean, variance = _expected_first_bn(synchronized)
+    np.testing.assert_allclose(out["moving_mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["moving_variance"], variance, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["reloaded_evaluate"], out["evaluate"], rtol=1e-5, atol=1e-6)
+    assert out["predict_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["plain", "split", "fused"])
+def test_replicas_agree_on_batch_norm_statistics_after_fit(mode):
+    proc, out = _run(mode)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out["jit"] == (mode != "plain")
+    # fused: the averaging is part of the step each replica compiles (inside XLA on GPUs); split: after it
+    assert out["synced_inside"] == ([True] if mode == "fused" else [False] if mode == "split" else [])
+    _check_agreement(out)
+
+
+def test_without_the_sync_replicas_drift_apart():
+    """The switch off (TF_NVLINK_SYNC_NON_TRAINABLE=0) gives stock MirroredStrategy's behaviour on these shards."""
+    proc, out = _run("plain", env={"TF_NVLINK_SYNC_NON_TRAINABLE": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out["diff"]["sequential/batch_normalization/moving_mean"] > 0.5
+    assert out["diff"]["sequential/batch_normalization/moving_variance"] > 0.5
+
+
+def test_synchronized_batch_norm_works_without_xla_and_uses_global_batch_statistics():
+    proc, out = _run("plain", synchronized=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_agreement(out, synchronized=True)
+
+
+def test_synchronized_batch_norm_in_split_xla_on_cpus_is_refused_with_the_alternatives():
+    proc, _ = _run("split", synchronized=True)
+    assert proc.returncode != 0
+    assert "SynchronizedBatchNormError" in proc.stderr and "jit_compile=False" in proc.stderr
+
+
+def test_custom_loop_sync_non_trainable():
+    proc = run_python(r"""
+import json
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink.training import replica_sync
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32"); x[32:] += 4.0
+with strategy.scope():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(64))
+results = {}
+for sync in (False, True):
+    @tf.function
+    def train(batch):
+        def step_fn(inputs):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(inputs, training=True)))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            if sync:
+                tf_nvlink.sync_non_trainable(model)
+        strategy.run(step_fn, args=(batch,))
+    for batch in dataset:
+        train(batch)
+    results[str(sync)] = max(replica_sync.replicas_max_difference(model).values())
+wrapped = tf.function(lambda batch: strategy.run(tf_nvlink.synced_step(model, lambda b: model(b, training=True)),
+                                                 args=(batch,)))
+x[:32] -= 7.0
+for batch in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(64)):
+    wrapped(batch)
+results["synced_step"] = max(replica_sync.replicas_max_difference(model).values())
+print(json.dumps(results))
+""", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["False"] > 0.02  # one step, momentum 0.99: 0.01 x 4.0 apart; the first pass drifts; the second pass's sync brings them back together
+    assert out["True"] < 1e-6 and out["synced_step"] < 1e-6
+
+
+def test_switch_values(monkeypatch):
+    from tf_nvlink.training import replica_sync
+
+    for value, expected in (("1", True), ("0", False), ("off", False), ("", True)):
+        monkeypatch.setenv(replica_sync.ENV_SWITCH, value)
+        assert replica_sync.enabled() is expected
+    monkeypatch.setenv(replica_sync.ENV_SWITCH, "maybe")
+    with pytest.raises(ValueError, match="TF_NVLINK_SYNC_NON_TRAINABLE='maybe'"):
+        replica_sync.enabled()
+
+
+def test_keras_internals_the_sync_relies_on():
+    """Keras writes BatchNorm statistics with `.assign`, which reaches the TF backend's `_direct_assign`, and
+    creates them non-trainable with aggregation "none"."""
+    import inspect
+
+    import keras
+    from keras.src.backend.tensorflow.core import Variable
+
+    from tf_nvlink.training import replica_sync
+
+    replica_sync._install_write_recorder()
+    original = replica_sync._ORIGINAL_ASSIGN[0]
+    assert "self._value.assign" in inspect.getsource(original)
+    assert "self._direct_assign(value)" in inspect.getsource(keras.src.backend.common.variables.Variable.assign)
+    assert Variable._direct_assign is not original  # the recorder is in place
+    assert "self.moving_mean.assign(" in inspect.getsource(keras.layers.BatchNormalization.call)
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 3))
+    model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dropout(0.1)])
+    assert [v.path for v in replica_sync.state_variables(model)] == [layer.moving_mean.path, layer.moving_variance.path]
+    assert {v.aggregation for v in replica_sync.state_variables(model)} == {"none"}
+
+
+_WORKER = r"""
+import json, os, sys
+import tf_nvlink
+strategy = tf_nvlink.strategy()  # TF_CONFIG: 2 CPU workers on localhost; first, before any TensorFlow op
+import numpy as np, tensorflow as tf, keras
+from tf_nvlink.training import replica_sync
+worker = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+rng = np.random.default_rng(worker)
+x = (3.0 * worker + rng.normal(size=(128, 5))).astype("float32")  # each worker's own data, another mean
+y = rng.normal(size=(128, 1)).astype("float32")
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64).with_options(options)
+with strategy.scope():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=sys.argv[1] == "jit")
+model.fit(dataset, epochs=2, verbose=0)
+print(json.dumps({"moving_mean": model.layers[0].moving_mean.numpy().tolist(),
+                  "moving_variance": model.layers[0].moving_variance.numpy().tolist()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync, jit", [("1", "nojit"), ("0", "nojit"), ("1", "jit")])
+def test_multi_worker_replicas_agree(sync, jit):
+    """Two CPU workers (MultiWorkerMirroredStrategy over localhost), each with its own data: with the sync the
+    workers end with the same moving statistics; without it each keeps its own."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from tf_nvlink.util.json_workers import free_ports
+
+    cluster = {"worker": [f"localhost:{port}" for port in free_ports(2)]}
+    processes = []
+    for index in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+                   TF_NVLINK_SYNC_NON_TRAINABLE=sync,
+                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        processes.append(subprocess.Popen([sys.executable, "-c", _WORKER, jit], env=env, cwd=ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0, stderr[-3000:]
+            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for name in ("moving_mean", "moving_variance"):
+        gap = float(np.max(np.abs(np.array(outputs[0][name]) - np.array(outputs[1][name]))))
+        assert gap < 1e-6 if sync == "1" else gap > 0.5, (name, outputs)

@@ -1,0 +1,330 @@
+"""Builds the tf.distribute strategy from a policy `Plan`.
+
+Example:
+    >>> import tf_nvlink
+    >>> strategy = tf_nvlink.strategy()              # every GPU, all-reduce chosen from the topology
+    >>> with strategy.scope():
+    ...     model = build_model()
+    ...     model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    >>> model.fit(x, y)
+    >>> tf_nvlink.current_plan().summary()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tf_nvlink.machine import tf_devices as devices_lib
+from tf_nvlink.machine import cluster_config as cluster_lib
+from tf_nvlink.plan import step_options
+from tf_nvlink.distribute import multi_worker
+from tf_nvlink.machine import nvml
+from tf_nvlink.plan import policy
+from tf_nvlink.distribute import rendezvous
+from tf_nvlink.tools import tune
+from tf_nvlink.plan import tune_cache
+from tf_nvlink.training import install
+from tf_nvlink.machine.topology import Topology
+
+log = logging.getLogger("tf_nvlink")
+
+
+class NVLinkMirroredStrategy(install.PerReplicaXlaStrategyMixin, tf.distribute.MirroredStrategy):
+    """A `tf.distribute.MirroredStrategy` that knows its plan and runs XLA per replica.
+
+    Everything TensorFlow and Keras do with a MirroredStrategy works unchanged (it is one); `plan` says which
+    GPUs and cross-device ops were chosen and why.
+    """
+
+    def __init__(self, devices: Sequence[str], cross_device_ops=None, plan: Optional[policy.Plan] = None):
+        super().__init__(devices=list(devices), cross_device_ops=cross_device_ops)
+        self._tf_nvlink_plan = plan
+
+    @property
+    def plan(self) -> Optional[policy.Plan]:
+        return self._tf_nvlink_plan
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """What Keras' `fit` calls: without the caller's `options`, prefetch `plan.input_buffer` batches to each
+        replica's device, so the host split and the copies overlap the step (TensorFlow's default is 1)."""
+        buffer = getattr(self._tf_nvlink_plan, "input_buffer", 0)
+        if options is None and buffer:
+            options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
+                                                 experimental_per_replica_buffer_size=buffer)
+        return super().experimental_distribute_dataset(dataset, options=options)
+
+
+_LOCK = threading.Lock()
+_CURRENT: dict = {}
+
+
+def current_plan() -> Optional[policy.Plan]:
+    """The plan of the strategy built in this process, or None."""
+    return _CURRENT.get("plan")
+
+
+def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
+    """The tf.distribute.CrossDeviceOps for a plan (None means MirroredStrategy's default, CollectiveAllReduce).
+
+    The class comes from `policy.OPS`, the one name -> class table."""
+    name = plan.cross_device_ops
+    if name not in policy.OPS:
+        raise ValueError(f"Unknown cross-device ops {name!r}; valid: {list(policy.OPS)}")
+    if name == "collective":
+        return None
+    ops_class = getattr(tf.distribute, policy.OPS[name].rpartition(".")[2])
+    if name == "reduce_to_one":
+        return ops_class(reduce_to_device=device_names[0])
+    return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
+
+
+def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST):
+    gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
+        else gpus
+    ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, asked_knobs)
+
+
+def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
+             devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
+             xla_allreduce: str = "auto", cluster_resolver=None,
+             peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
+             input_buffer: Optional[int] = None) -> tf.distribute.MirroredStrategy:
+    """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
+
+    Args:
+        gpus: "all" (every GPU TensorFlow sees, like MirroredStrategy), "auto" (the largest NVLink-connected
+            group; ties go to faster links, then more free memory), a list of NVML/nvidia-smi indices, or a
+            string such as "0,1". Indices are mapped to TensorFlow devices by PCI bus id, so
+            `CUDA_VISIBLE_DEVICES` reordering is honoured.
+        cross_device_ops: "auto" (the policy decides from the topology, or a stored `tf-nvlink tune` winner
+            for these GPUs), "autotune" (measure the candidates now if nothing is stored, then store the
+            winner), "nccl", "hierarchical", "reduce_to_one", "collective" (TensorFlow's default
+            CollectiveAllReduce), or a `tf.distribute.CrossDeviceOps` instance.
+        num_packs: gradient packs for "nccl"/"hierarchical" (None: the policy's choice).
+        devices: explicit TensorFlow device names, overriding `gpus` (e.g. ["/cpu:0", "/cpu:1"] in tests).
+        topology: a `Topology` to plan for (default: probe NVML now).
+        xla_allreduce: for models compiled with jit_compile=True: "fused" (the whole step, gradient
+            all-reduce included, is one XLA program per replica; GPUs only), "split" (XLA computes gradients,
+            the plan's cross-device ops all-reduce them outside XLA), or "auto" (fused on 2+ GPUs).
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` (e.g. SlurmClusterResolver) for
+            several hosts. Without it, a `TF_CONFIG` naming several workers does the same. Either way the result
+            is a `tf.distribute.MultiWorkerMirroredStrategy` whose communication (NCCL on GPU workers, RING on
+            CPU-only ones) is chosen from this host's topology; see `tf_nvlink.distribute.multi_worker`. Call it first in
+            the program, before any TensorFlow op.
+        peer_timeout_s: how long a worker waits for the other workers to be reachable (default 60 s).
+        xla_flags: "auto" (on 2+ GPUs in fused XLA mode, add the latency-hiding scheduler to `XLA_FLAGS`), "none",
+            or a list of "--name=value" flags among `step_options.KNOWN_XLA_FLAGS`. A flag the user already set in
+            `XLA_FLAGS` is never overridden (`plan.xla_flags_kept` lists those). XLA reads `XLA_FLAGS` once, at its
+            first compile in the process: build the strategy before running any jit-compiled function, or the
+            flags have no effect (tf_nvlink cannot tell whether XLA has already started).
+        allreduce_dtype: "float32" (default) or "bfloat16": float32 gradients are cast to bfloat16 for the
+            all-reduce and back after it (half the bytes on the link; the sum is rounded to bfloat16's 8-bit
+            mantissa). Applies to Keras optimizers in `fit` (fused, split and without XLA).
+        input_buffer: batches `experimental_distribute_dataset` (Keras `fit`) prefetches to each replica's
+            device when no `InputOptions` are given (None: 2 on GPUs, TensorFlow's defaults on CPUs).
+
+    Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
+    same request returns the same strategy; a different request raises RuntimeError.
+
+    Example:
+        >>> s = strategy(gpus="0,1", cross_device_ops="auto")
+        >>> s.num_replicas_in_sync, s.plan.cross_device_ops
+        (2, 'nccl')
+    """
+    if topology is not None and not isinstance(topology, Topology):
+        raise ValueError(f"topology should be a tf_nvlink Topology (tf_nvlink.probe() returns one) or None to probe "
+                         f"NVML now. Received: topology={topology!r}")
+    if peer_timeout_s is not None and (isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float))
+                                       or not 0 < peer_timeout_s < float("inf")):
+        raise ValueError(f"peer_timeout_s should be a positive number of seconds, or None for "
+                         f"{rendezvous.DEFAULT_PEER_TIMEOUT_S} s. Received: peer_timeout_s={peer_timeout_s!r}")
+    # Checked before anything is built or recorded: a bad value costs nothing.
+    asked_knobs = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer)
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
+        None if cluster_resolver is None else id(cluster_resolver),)
+    with _LOCK:
+        if _CURRENT:
+            if _CURRENT["key"] == key:
+                return _CURRENT["strategy"]
+            raise RuntimeError(
+                f"tf_nvlink.strategy() was already called in this process with a different request "
+                f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
+                f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
+                f"arguments returns it), or run the other configuration in its own process.")
+        cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
+        if cluster_resolver is not None or cluster is not None:
+            multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
+            if asked_knobs != step_options.DEFAULT_REQUEST:
+                raise ValueError(f"xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
+                                 f"leave them at their defaults with several workers. Received: "
+                                 f"xla_flags={xla_flags!r}, allreduce_dtype={allreduce_dtype!r}, "
+                                 f"input_buffer={input_buffer!r}")
+            built, plan = multi_worker.build_strategy(
+                topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
+                peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+            # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
+            os.environ.update(plan.process_env)
+        else:
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs)
+        _CURRENT.update(key=key, strategy=built, plan=plan)
+    log.info(plan.summary())
+    return built
+
+
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST):
+    """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
+    ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
+    if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
+        raise ValueError(f"cross_device_ops should be one of {list(policy.OPS_CHOICES)} or a "
+                         f"tf.distribute.CrossDeviceOps instance. Received: cross_device_ops={cross_device_ops!r}")
+    if devices is not None and (isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices
+                                or not all(isinstance(d, str) and d.strip() for d in devices)):
+        raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
+                         f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
+    if devices:
+        check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
+    ops_name = "auto" if ops_instance is not None else cross_device_ops
+    instance_name = type(ops_instance).__name__ if ops_instance is not None else ""
+    topology = topology if topology is not None else nvml.probe()
+    user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
+    _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
+                                 asked_knobs)
+    try:
+        facts = gather_facts(topology, autotune=ops_name == "autotune", user_xla_flags=user_xla_flags)
+        plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    except Exception:
+        _set_xla_flags(user_xla_flags)  # no strategy: the provisional flags are taken back
+        raise
+    for warning in warnings:
+        log.warning("tf_nvlink: %s", warning)
+    if devices:
+        device_names = list(devices)
+    elif plan.gpus:
+        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(facts.topology))
+    elif facts.tf_gpu_count and (not facts.topology.gpus or facts.mig):
+        # GPUs NVML does not list, or MIG instances (no NVML GPU index names them): TensorFlow's own names
+        device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
+    else:
+        device_names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    ops = ops_instance if ops_instance is not None else build_cross_device_ops(plan, device_names)
+    plan = dataclasses.replace(plan, devices=tuple(device_names))
+    apply_xla_flags(plan, user_xla_flags)
+    install.install_gradient_allreduce_hook()  # one replica: no all-reduce; allreduce_dtype="bfloat16": cast around it
+    install.enable_per_replica_xla()
+    return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
+
+
+def gather_facts(topology: Topology, autotune: bool = False, user_xla_flags: Optional[str] = None) -> policy.Facts:
+    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner,
+    the user's `XLA_FLAGS` (default: the current value).
+
+    With `autotune`, a missing tune winner is measured (minutes, in worker processes that need the GPUs' memory:
+    `policy.decide` asks before `devices_lib.tf_gpus()` initialises them here).
+    """
+    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
+    visible = tuple(devices_lib.visible_nvml_indices(topology))
+    cause = _why_tensorflow_sees_no_gpu(visible) if topology.gpus and not tf_gpu_count else ""
+    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
+        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's, TensorFlow's PCI ids say which
+        # GPUs it sees (this initialises them before an autotune, which only a mixed machine pays).
+        visible = tuple(devices_lib.visible_from_tensorflow(devices_lib.tf_gpus(topology)))
+
+    def tune_choice(gpus):
+        if autotune:
+            return tune.autotune_choice(topology, gpus)
+        return tune_cache.stored_choice(topology, gpus)
+
+    return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
+                        nccl_available=nccl_available(), tune_choice=tune_choice,
+                        mig=tuple(devices_lib.mig_entries()),
+                        user_xla_flags=os.environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags)
+
+
+def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
+    """Refuse device names this process does not have, and duplicates, before TensorFlow sees them (its soft
+    placement would put "/gpu:9" on CPU:0; a duplicate ends in an AssertionError).
+
+    Example:
+        >>> check_devices(["/gpu:9"], ["/device:CPU:0"])
+        ValueError: devices names '/gpu:9', which this process does not have; ... Received: devices=['/gpu:9']
+    """
+    def key(name: str):
+        spec = tf.DeviceSpec.from_string(name.strip())
+        return ((spec.device_type or "").upper(), spec.device_index or 0)
+
+    available = {key(name): name for name in existing}
+    seen = {}
+    for name in devices:
+        try:
+            wanted = key(name)
+        except ValueError:
+            wanted = None
+        if wanted not in available:
+            raise ValueError(f"devices names {name!r}, which this process does not have; its devices are "
+                             f"{list(existing)}. Received: devices={list(devices)!r}")
+        if wanted in seen:
+            raise ValueError(f"devices names {available[wanted]} twice ({seen[wanted]!r} and {name!r}); each "
+                             f"device holds one replica. Received: devices={list(devices)!r}")
+        seen[wanted] = name
+
+
+def apply_xla_flags(plan: policy.Plan, user_xla_flags: Optional[str] = None, environ=None) -> str:
+    """Set `XLA_FLAGS` in `environ` (default os.environ) to the user's value (default: the current one) followed
+    by `plan.xla_flags` (which `policy.decide` already let the user's entries win over); returns the value.
+    XLA parses XLA_FLAGS once, at its first use in the process, so this must run before the first XLA compile
+    (the strategy does it while being built, before TensorFlow creates its devices).
+
+    Example:
+        >>> apply_xla_flags(plan, "")     # a 2-GPU fused plan
+        '--xla_gpu_enable_latency_hiding_scheduler=true'
+    """
+    environ = os.environ if environ is None else environ
+    user = environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags
+    value, added, _ = step_options.merge_xla_flags(user, plan.xla_flags)
+    _set_xla_flags(value, environ)
+    if added:
+        log.info("tf_nvlink: XLA_FLAGS=%s (applies if XLA has not compiled anything yet in this process)", value)
+    return value
+
+
+def _set_xla_flags(value: str, environ=None) -> None:
+    environ = os.environ if environ is None else environ
+    if value:
+        environ["XLA_FLAGS"] = value
+    else:
+        environ.pop("XLA_FLAGS", None)
+
+
+def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
+                                 asked_knobs):
+    """The XLA flags of the plan NVML alone implies (`policy.decide` without TensorFlow's facts), set before
+    `gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
+    again, or takes them back."""
+    facts = policy.Facts(topology=topology, visible=tuple(devices_lib.visible_nvml_indices(topology)),
+                         user_xla_flags=user_xla_flags)
+    try:
+        early, _ = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+    except ValueError:
+        return  # the final `decide` raises or falls back, and the flags are set then
+    apply_xla_flags(early, user_xla_flags)
+
+
+def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
+    if not tf.test.is_built_with_cuda():
+        return "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'"
+    hidden_by = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden_by is not None and not visible:
+        return f"CUDA_VISIBLE_DEVICES={hidden_by!r} hides them"
+    return ("TensorFlow could not initialise CUDA; its log above says why: with pip, 'tensorflow[and-cuda]' "
+            "installs the CUDA libraries, and the NVIDIA driver must be new enough for them")
+
+
+nccl_available = devices_lib.nccl_available  # a fact: whether TensorFlow has NCCL's GPU kernels
+without_nccl = policy.without_nccl  # the plan without NCCL lives in the policy

@@ -1,0 +1,72 @@
+"""Predictions as an nccl-tests style table, and the command line `python -m tf_nvlink.tools.costmodel`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Iterable, Optional, Sequence
+
+from tf_nvlink.tools.costmodel.model import (ALLREDUCE_BYTES_PER_ELEMENT, DEFAULT_FUSED_OVERLAP, DEFAULT_REPLICA_OVERHEAD_MS,
+                                      LINKS, MIB, REPLICA_OVERHEAD_HOST_FED_MS, Prediction, Workload, predict)
+
+
+# ---- tables ------------------------------------------------------------------------------------------------
+
+_COLUMNS = (  # name, unit, width, attribute, format
+    ("workload", "", 12, "workload", "s"),
+    ("link", "", 14, "link", "s"),
+    ("gpus", "", 4, "n_gpus", "d"),
+    ("dtype", "", 8, "allreduce_dtype", "s"),
+    ("busbw", "(GB/s)", 7, "busbw_gbps", ".1f"),
+    ("comm", "(ms)", 7, "comm_ms", ".2f"),
+    ("exposed", "(ms)", 7, "exposed_comm_ms", ".2f"),
+    ("overhead", "(ms)", 8, "overhead_ms", ".2f"),
+    ("step", "(ms)", 7, "step_ms", ".2f"),
+    ("scaling", "", 7, "scaling", ".3f"),
+    ("samples/s", "", 10, "samples_per_s", ".0f"),
+)
+
+
+def render_table(predictions: Iterable[Prediction]) -> str:
+    """Predictions as an nccl-tests style table: a '#' names row, a '#' units row, one row per prediction.
+
+    Example:
+        >>> print(render_table([predict(resnet, LINKS["nvswitch-h200"], n) for n in (1, 2)]))
+    """
+    predictions = list(predictions)
+    widths = [max(width, len(name), *(len(format(getattr(p, attr), fmt)) for p in predictions))
+              for name, _, width, attr, fmt in _COLUMNS]
+
+    def line(cells: Sequence[str], prefix: str) -> str:
+        return prefix + " ".join(cell.rjust(w) if k > 1 else cell.ljust(w)
+                                 for k, (cell, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rows = [line([name for name, *_ in _COLUMNS], "# "), line([unit for _, unit, *_ in _COLUMNS], "# ")]
+    rows += [line([format(getattr(p, attr), fmt) for *_, attr, fmt in _COLUMNS], "  ") for p in predictions]
+    return "\n".join(rows)
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m tf_nvlink.tools.costmodel --compute_ms 39.7 --gradient_mib 97.5`: 1/2/4/8 GPUs on every link type."""
+    parser = argparse.ArgumentParser(prog="python -m tf_nvlink.tools.costmodel", description=main.__doc__)
+    parser.add_argument("--compute_ms", type=float, required=True, help="one GPU's step time (ms)")
+    parser.add_argument("--gradient_mib", type=float, required=True, help="float32 gradients (MiB)")
+    parser.add_argument("--gradient_tensors", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=128, help="samples per GPU per step")
+    parser.add_argument("--packs", type=int, default=1, help="all-reduce calls per step (0: one per tensor)")
+    parser.add_argument("--name", default="workload")
+    parser.add_argument("--allreduce_dtype", default="float32", choices=sorted(ALLREDUCE_BYTES_PER_ELEMENT))
+    parser.add_argument("--fused_overlap", type=float, default=DEFAULT_FUSED_OVERLAP)
+    parser.add_argument("--replica_overhead_ms", type=float, default=DEFAULT_REPLICA_OVERHEAD_MS,
+                        help=f"per extra replica; host-fed ResNet-50 measured {REPLICA_OVERHEAD_HOST_FED_MS}")
+    parser.add_argument("--gpus", default="1,2,4,8", help="comma-separated GPU counts")
+    args = parser.parse_args(argv)
+    workload = Workload(args.compute_ms, round(args.gradient_mib * MIB), args.gradient_tensors, args.batch,
+                        args.packs, args.name)
+    counts = [int(n) for n in args.gpus.split(",")]
+    predictions = [predict(workload, link, n, allreduce_dtype=args.allreduce_dtype,
+                           fused_overlap=args.fused_overlap, replica_overhead_ms=args.replica_overhead_ms)
+                   for link in LINKS.values() for n in counts]
+    print(render_table(predictions))
+    return 0

@@ -1,0 +1,200 @@
+"""The per-replica compiled steps: `PerReplicaXlaStep` (model.fit's train/test step) and `PerReplicaCustomStep`
+(a jit function passed to `strategy.run`); fused or split as the package doc says."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from tf_nvlink import internals
+from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, _merge_call_explained,
+                                   _only_first_replica_variables, _optimizer_calls, _replica_id, _replica_local,
+                                   build_optimizer)
+
+
+class PerReplicaXlaStep:
+    """Stands in for `model.train_step`/`test_step` inside `strategy.run`: XLA per replica, optimizer outside.
+
+    Example (what the Keras hook does for you):
+        >>> step = PerReplicaXlaStep(model, model.train_step, "train")
+        >>> strategy.run(step, args=(batch,))
+    """
+
+    def __init__(self, model, step_function: Callable, kind: str):
+        self.model = model
+        self.step_function = step_function
+        self.kind = kind
+        self._compiled: dict[int, Any] = {}
+        self._applied_variables: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def fused(self) -> bool:
+        """Whole train step in XLA, all-reduce included (GPUs only: TensorFlow skips merge_call under XLA there)."""
+        strategy = self.model.distribute_strategy
+        return self.kind != "train" or internals.fused_allreduce_possible(strategy) and strategy.xla_allreduce == "fused"
+
+    def _fused_body(self) -> Callable:
+        optimizer = self.model.optimizer
+        step_function = self.step_function
+
+        def body(data):
+            with _replica_local(_only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
+                return step_function(data)
+
+        return body
+
+    def _compiled_for(self, replica_id: int):
+        with self._lock:
+            if replica_id not in self._compiled:
+                if self.kind != "train":
+                    body = self.step_function
+                else:
+                    body = self._fused_body() if self.fused else self._train_body(replica_id)
+                self._compiled[replica_id] = tf.function(body, jit_compile=True, reduce_retracing=True,
+                                                         autograph=False)
+            return self._compiled[replica_id]
+
+    def _train_body(self, replica_id: int) -> Callable:
+        optimizer = self.model.optimizer
+
+        def body(data):
+            caught: dict[str, list] = {}
+
+            def catch_apply(grads, trainable_variables=None):
+                caught["grads"] = list(grads)
+                caught["variables"] = list(trainable_variables if trainable_variables is not None
+                                           else optimizer._trainable_variables)
+
+            optimizer.apply = catch_apply  # instance attribute shadows the method while tracing
+            try:
+                logs = self.step_function(data)
+            finally:
+                del optimizer.apply
+            if "grads" not in caught:
+                raise UnsupportedKerasError(
+                    "tf_nvlink's per-replica XLA needs train_step to update weights through "
+                    "self.optimizer.apply_gradients() or self.optimizer.apply(); this train_step does neither. "
+                    "Compile with jit_compile=False, or call the optimizer in train_step.")
+            pairs = [(i, g) for i, g in enumerate(caught["grads"]) if g is not None]
+            self._applied_variables[replica_id] = [(i, caught["variables"][i]) for i, _ in pairs]
+            return logs, [g for _, g in pairs]
+
+        return body
+
+    def __call__(self, data):
+        replica_id = _replica_id()
+        compiled = self._compiled_for(replica_id)
+        if self.fused:
+            return compiled(data)
+        with _merge_call_explained():
+            logs, grads = compiled(data)
+        variables = [v for _, v in self._applied_variables[replica_id]]
+        if variables:
+            # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
+            self.model.optimizer.apply(grads, variables)
+        return logs
+
+
+class PerReplicaCustomStep:
+    """One replica's compiled copy of a `jit_compile=True` function passed to `strategy.run` (custom loops,
+    Keras' predict step), so no XLA program spans two replicas.
+
+    - "fused" (all-GPU replicas, plan `xla_allreduce="fused"`): the whole function, `optimizer.apply_gradients`
+      and its gradient all-reduce included, is one XLA program per replica; the optimizer's step counters are
+      kept per replica (as in fit's fused mode).
+    - "split" (any device): the function is compiled with every `optimizer.apply`/`apply_gradients` call caught:
+      the gradients leave XLA, and the calls run right after, in the same order, outside XLA, where the
+      optimizer all-reduces through the plan's cross-device ops. Values the function computes after
+      `apply_gradients` (rare) see the weights before that update.
+
+    Example (what `strategy.run` does for a jit step under a tf_nvlink strategy):
+        >>> step = PerReplicaCustomStep(train_step.python_function, "split")
+        >>> strategy.run(step, args=(x, y))    # the mixin does this for you
+    """
+
+    def __init__(self, python_function: Callable, mode: str, autograph: bool = True):
+        if mode not in ("fused", "split"):
+            raise ValueError(f"mode should be 'fused' or 'split'. Received: mode={mode!r}")
+        self.python_function = python_function
+        self.mode = mode
+        self.autograph = autograph
+        self._compiled: dict[int, Any] = {}
+        self._updates: dict[int, list] = {}  # replica -> [(optimizer, variables or None)] of the traced calls
+        self._unbuilt: dict[int, tuple] = {}  # replica -> (optimizer, variables) that stopped its last trace
+        self._lock = threading.Lock()
+
+    def _body(self, replica_id: int) -> Callable:
+        python_function = self.python_function
+        unbuilt = self._unbuilt
+
+        def traced(mode, args, kwargs):
+            try:
+                with _optimizer_calls(mode) as caught:
+                    return python_function(*args, **kwargs), caught
+            except OptimizerNotBuiltWhileTracing as error:  # the original: AutoGraph re-raises a copy
+                unbuilt[replica_id] = (error.optimizer, error.variables)
+                raise
+
+        if self.mode == "fused":
+            def fused(*args, **kwargs):
+                return traced("replica_local", args, kwargs)[0]
+
+            return fused
+
+        def split(*args, **kwargs):
+            outputs, caught = traced("catch", args, kwargs)
+            updates, grads = [], []
+            for optimizer, call_grads, variables in caught:
+                variables = None if variables is None else list(variables)
+                kept = [i for i, g in enumerate(call_grads) if g is not None]
+                if variables is not None:
+                    variables = [variables[i] for i in kept]
+                elif len(kept) != len(call_grads):
+                    raise ValueError("optimizer.apply(grads) without variables got None gradients; pass the "
+                                     "variables too: optimizer.apply_gradients(zip(grads, variables)).")
+                updates.append((optimizer, variables))
+                grads.append([call_grads[i] for i in kept])
+            previous = self._updates.get(replica_id)
+            if previous is not None and not _same_updates(previous, updates):
+                raise ValueError("A jit_compile=True step under a tf_nvlink strategy updated different optimizers "
+                                 "or variables when traced again (new input shapes?); tf_nvlink's split mode needs "
+                                 "the same optimizer calls on every trace. Use one step function per shape.")
+            self._updates[replica_id] = updates
+            return outputs, grads
+
+        return split
+
+    def _compiled_for(self, replica_id: int):
+        with self._lock:
+            if replica_id not in self._compiled:
+                self._compiled[replica_id] = tf.function(self._body(replica_id), jit_compile=True,
+                                                         reduce_retracing=True, autograph=self.autograph)
+            return self._compiled[replica_id]
+
+    def __call__(self, *args, **kwargs):
+        replica_id = _replica_id()
+        while True:
+            compiled = self._compiled_for(replica_id)
+            try:
+                if self.mode == "fused":
+                    return compiled(*args, **kwargs)
+                with _merge_call_explained():
+                    outputs, grads = compiled(*args, **kwargs)
+                break
+            except OptimizerNotBuiltWhileTracing:  # build it here, outside the step, and trace again
+                build_optimizer(*self._unbuilt.pop(replica_id))
+                with self._lock:
+                    self._compiled.pop(replica_id, None)
+        for (optimizer, variables), call_grads in zip(self._updates.get(replica_id, ()), grads):
+            # Outside XLA: the optimizer all-reduces through the strategy's cross-device ops, then updates.
+            optimizer.apply(call_grads, variables)
+        return outputs
+
+
+def _same_updates(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        oa is ob and (va is None) == (vb is None) and (va is None or [id(v) for v in va] == [id(v) for v in vb])
+        for (oa, va), (ob, vb) in zip(a, b))

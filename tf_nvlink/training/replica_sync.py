@@ -1,0 +1,246 @@
+"""Replicas that agree: BatchNorm moving statistics and other non-trainable state identical on every replica.
+
+Why this exists: Keras 3 creates BatchNormalization's `moving_mean`/`moving_variance` (and any layer state added
+with `add_weight(trainable=False)`) with aggregation "none". Under a MirroredStrategy each replica then updates
+only its own copy, from its own shard of the batch, so the copies drift apart: `model.evaluate` under the
+strategy depends on which replica saw which data, and a saved model holds replica 0's statistics only
+(tensorflow/tensorflow#46488). Keras 2 made these variables ON_READ/MEAN; PyTorch DDP broadcasts buffers.
+
+What tf_nvlink does (on every multi-replica tf_nvlink strategy, in `model.fit`, every mode):
+- while a replica's train step runs (or is traced), it records which Keras variables the step writes;
+- after the step, the written ones that are the model's non-trainable floating-point variables with
+  aggregation "none" are packed into one flat buffer per dtype, all-reduced with MEAN across the replicas
+  (one small collective: ResNet-50's 53k BatchNorm statistics are 212 KB), and written back to every replica's
+  own copy. Variables nobody writes (a frozen backbone's weights) cost nothing.
+
+Where the all-reduce runs, by mode (see tf_nvlink/xla/ for the modes):
+- plain (jit_compile=False) and split XLA: after the step, outside XLA, through the plan's cross-device ops;
+- fused XLA (GPUs): inside each replica's XLA program, next to the gradient all-reduce (no merge_call);
+- multi-worker: the same, through MultiWorkerMirroredStrategy's collectives, so every worker agrees too;
+- custom training loops: `tf_nvlink.sync_non_trainable(model)` at the end of the replica function, or
+  `strategy.run(tf_nvlink.synced_step(model, step_fn), ...)`.
+
+Meaning of the result: each replica's moving statistic after a step is m * old + (1 - m) * s_r, where s_r is
+its shard's batch statistic; the mean over replicas is m * old + (1 - m) * mean_r(s_r). For `moving_mean` that
+is exactly the update with the whole global batch's mean (equal shards). For `moving_variance` it is the mean of
+the shards' variances, which leaves out the spread between shard means: the variance each replica actually
+normalised with during training (Keras 2's ON_READ/MEAN gave the same). `BatchNormalization(synchronized=True)`
+normalises with the global batch's statistics instead, and then the moving variance is the global batch's.
+
+Switch it off with the environment variable TF_NVLINK_SYNC_NON_TRAINABLE=0 (read when Keras builds its train
+function) to measure its cost; the replicas then drift as under stock MirroredStrategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Callable, Iterable, Optional
+
+ENV_SWITCH = "TF_NVLINK_SYNC_NON_TRAINABLE"
+
+_RECORDING = threading.local()  # each replica runs (and traces) its step in its own thread
+_INSTALL_LOCK = threading.Lock()
+_ORIGINAL_ASSIGN: list[Callable] = []
+
+
+class SynchronizedBatchNormError(ValueError):
+    """`BatchNormalization(synchronized=True)` in a mode where its cross-replica all-reduce cannot run."""
+
+
+def enabled() -> bool:
+    """False when TF_NVLINK_SYNC_NON_TRAINABLE is "0"/"false"/"off"/"no" (default: on)."""
+    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if value in ("1", "true", "on", "yes", ""):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ENV_SWITCH} should be 1 (keep replicas' non-trainable state identical, the default) or 0 "
+                     f"(let each replica keep its own). Received: {ENV_SWITCH}={value!r}")
+
+
+def _install_write_recorder() -> None:
+    """Record, per thread, which Keras variables are written while a `_recording()` block is open."""
+    with _INSTALL_LOCK:
+        if _ORIGINAL_ASSIGN:
+            return
+        from keras.src.backend.tensorflow.core import Variable  # noqa: PLC0415
+
+        original = Variable._direct_assign
+
+        def _direct_assign(self, value):
+            written = getattr(_RECORDING, "written", None)
+            if written is not None:
+                written[id(self)] = self
+            return original(self, value)
+
+        _ORIGINAL_ASSIGN.append(original)
+        Variable._direct_assign = _direct_assign
+
+
+@contextlib.contextmanager
+def _recording():
+    _install_write_recorder()
+    outer = getattr(_RECORDING, "written", None)
+    written: dict[int, Any] = {}
+    _RECORDING.written = written
+    try:
+        yield written
+    finally:
+        _RECORDING.written = outer
+        if outer is not None:
+            outer.update(written)
+
+
+def _is_float(variable) -> bool:
+    import keras  # noqa: PLC0415
+
+    return keras.backend.is_float_dtype(variable.dtype)
+
+
+def state_variables(model) -> list:
+    """The model's variables that `sync_non_trainable` averages: non-trainable, floating point, aggregation
+    "none" (BatchNorm moving statistics and similar layer state), in the model's order."""
+    return [v for v in model.non_trainable_variables
+            if _is_float(v) and str(getattr(v, "aggregation", "none") or "none").lower() == "none"]
+
+
+def sync_non_trainable(model_or_variables, variables: Optional[Iterable] = None) -> None:
+    """All-reduce MEAN non-trainable state across replicas and write it back to every replica's copy.
+
+    Call it in replica context (inside the function given to `strategy.run`), after the step that updated the
+    state; every replica must call it with the same variables. With a model, it averages `state_variables(model)`
+    (or the given subset `variables`: a frozen backbone's statistics, which nobody writes, need no all-reduce).
+    Outside a multi-replica context it does nothing.
+
+    Example (custom training loop):
+        >>> def step_fn(x, y):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = loss_fn(y, model(x, training=True))
+        ...     optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        ...     tf_nvlink.sync_non_trainable(model)
+        >>> strategy.run(step_fn, args=(x, y))
+    """
+    import tensorflow as tf  # noqa: PLC0415
+
+    if variables is None:
+        variables = (state_variables(model_or_variables) if hasattr(model_or_variables, "non_trainable_variables")
+                     else list(model_or_variables))
+    variables = list(variables)
+    context = tf.distribute.get_replica_context()
+    if not variables or context is None or context.num_replicas_in_sync < 2:
+        return
+    by_dtype: dict[str, list] = {}
+    for variable in variables:
+        by_dtype.setdefault(str(variable.dtype), []).append(variable)
+    for group in by_dtype.values():  # one all-reduce per dtype (one in practice: BatchNorm keeps float32)
+        values = [tf.reshape(tf.convert_to_tensor(v.value), [-1]) for v in group]
+        packed = values[0] if len(values) == 1 else tf.concat(values, axis=0)
+        mean = context.all_reduce(tf.distribute.ReduceOp.MEAN, packed)
+        pieces = tf.split(mean, [_size(v) for v in group])
+        for variable, piece in zip(group, pieces):
+            variable.assign(tf.reshape(piece, variable.shape))
+
+
+def _size(variable) -> int:
+    size = 1
+    for dim in variable.shape:
+        size *= int(dim)
+    return size
+
+
+def _devices_all_gpu(strategy) -> bool:
+    devices = getattr(strategy.extended, "worker_devices", ())
+    return bool(devices) and all("GPU" in d.upper() for d in devices)
+
+
+def check_synchronized_batch_norm(model, jit: bool) -> None:
+    """Refuse `BatchNormalization(synchronized=True)` where its all-reduce cannot run: inside XLA on replicas
+    that are not all GPUs (TensorFlow needs a merge_call there, which XLA cannot hold), or across workers (an
+    all-reduce compiled into XLA cannot span processes)."""
+    strategy = model.distribute_strategy
+    several_workers = getattr(strategy.extended, "_num_workers", 1) > 1  # XLA's NCCL cannot span processes
+    if not jit or _devices_all_gpu(strategy) and not several_workers:
+        return
+    synced = [layer.name for layer in _layers(model) if getattr(layer, "synchronized", False)]
+    if synced:
+        raise SynchronizedBatchNormError(
+            f"BatchNormalization(synchronized=True) ({', '.join(synced)}) cannot all-reduce its batch statistics "
+            f"inside XLA on replicas that are not all GPUs of one process (devices: "
+            f"{list(strategy.extended.worker_devices)}{', several workers' if several_workers else ''}). "
+            f"Compile with jit_compile=False, or use synchronized=False: tf_nvlink averages the moving "
+            f"statistics across replicas after every step.")
+
+
+def _layers(model):
+    seen = getattr(model, "_flatten_layers", None)
+    return list(seen(include_self=False, recursive=True)) if seen else list(getattr(model, "layers", []))
+
+
+class SyncedStep:
+    """Runs a replica's step, then averages the non-trainable state it wrote (`sync_non_trainable`).
+
+    Example (custom loop; what `model.fit` does for you under a tf_nvlink strategy):
+        >>> strategy.run(tf_nvlink.synced_step(model, step_fn), args=(batch,))
+    """
+
+    def __init__(self, model, step: Callable):
+        self.model = model
+        self.step = step
+
+    def __call__(self, *args, **kwargs):
+        with _recording() as written:
+            result = self.step(*args, **kwargs)
+        sync_non_trainable(self.model, [v for v in state_variables(self.model) if id(v) in written])
+        return result
+
+    def __getattr__(self, name):  # kind, fused, ... of a wrapped PerReplicaXlaStep
+        return getattr(self.step, name)
+
+
+def synced_step(model, step: Callable) -> Callable:
+    """`step` for `strategy.run` that leaves the model's written non-trainable state identical on every replica.
+
+    Example:
+        >>> strategy.run(tf_nvlink.synced_step(model, step_fn), args=(batch,))
+    """
+    return SyncedStep(model, step)
+
+
+def keep_replicas_in_sync(model, step: Callable) -> Callable:
+    """The train step Keras' `_make_function` runs under a tf_nvlink strategy (the hook in tf_nvlink/xla/__init__.py).
+
+    `step` is `model.train_step` (plain mode) or a `PerReplicaXlaStep`. Test steps and single-replica
+    strategies are returned unchanged. In fused XLA mode the averaging goes inside each replica's XLA program
+    (wrapping the step the program compiles); elsewhere it runs after the step, outside XLA.
+    """
+    kind = getattr(step, "kind", "train" if step == model.train_step else "test")
+    strategy = model.distribute_strategy
+    if kind != "train" or strategy.num_replicas_in_sync < 2:
+        return step
+    check_synchronized_batch_norm(model, jit=hasattr(step, "kind"))
+    if not enabled():
+        return step
+    if getattr(step, "fused", False) and hasattr(step, "step_function"):
+        step.step_function = SyncedStep(model, step.step_function)  # traced inside the replica's XLA program
+        return step
+    return SyncedStep(model, step)
+
+
+def replicas_max_difference(model) -> dict[str, float]:
+    """For each non-trainable variable, the largest absolute difference between any replica's copy and the
+    first one (0.0 everywhere when the replicas agree). Eager; for tests and checks after `fit`.
+
+    Example:
+        >>> max(tf_nvlink.training.replica_sync.replicas_max_difference(model).values())
+        0.0
+    """
+    import numpy as np  # noqa: PLC0415
+
+    out = {}
+    for variable in model.non_trainable_variables:
+        value = variable.value
+        copies = [np.asarray(c.numpy(), dtype=np.float64) for c in getattr(value, "values", [value])]
+        out[variable.path] = max(float(np.max(np.abs(c - copies[0]))) if c.size else 0.0 for c in copies)
+    return out
