@@ -268,3 +268,17 @@ def test_report_shows_the_knobs_and_the_users_xla_flags():
     data = report.collect(topology=topo, with_tf=False, environ={"XLA_FLAGS": user})
     assert data["plan"]["xla_flags"] == [] and data["plan"]["xla_flags_kept"] == [user]
     assert f"user's XLA_FLAGS kept: {user}" in data["plan"]["summary"]
+
+
+def test_command_buffer_flags_are_known_and_checked():
+    """XLA's command-buffer (CUDA graph) flags of TensorFlow 2.21's XLA: accepted as given, the empty value of
+    --xla_gpu_enable_command_buffer (graphs off) included; an unknown thunk kind is refused naming the valid ones."""
+    flags = ["--xla_gpu_enable_command_buffer=", "--xla_gpu_graph_min_graph_size=1",
+             "--xla_enable_command_buffers_during_profiling=true"]
+    assert step_options.choose_knobs(plan_for("h200_x2", "0"), xla_flags=flags).xla_flags == tuple(flags)
+    kinds = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN,WHILE"
+    assert step_options.validate_xla_flags([kinds]) == (kinds,)
+    with pytest.raises(ValueError, match=r"comma list of \['FUSION'.*Received: \['CONV'\]"):
+        step_options.validate_xla_flags(["--xla_gpu_enable_command_buffer=FUSION,CONV"])
+    with pytest.raises(ValueError, match="xla_flags entries"):
+        step_options.validate_xla_flags(["--xla_gpu_graph_min_graph_size="])  # only the enable flag may be empty
