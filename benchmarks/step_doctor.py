@@ -151,8 +151,7 @@ def save_fixture(doctor, model_name: str, out_dir: str) -> str:
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(doctor.profile_dir, os.path.join(target, "profile"))
     report = doctor.report or {}
-    context = {k: v for k, v in (report.get("context") or {}).items() if k != "link"}
-    context.setdefault("gradient_tensors", 1)
+    context = dict(report.get("context") or {})
     window = report.get("window") or {}
     observation = {"model": model_name, "step_ms": window.get("step_ms"), "steps": window.get("steps"),
                    "calls": window.get("calls"), "verdict": (report.get("verdict") or {}).get("kind"),

@@ -4,7 +4,6 @@ its advice, the predictions, the outputs, the Keras callback on CPU, and a GPU t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
 from tf_nvlink.tools.doctor.trace import classify, gpu_activity
 from tf_nvlink.tools.doctor.verdict import StepContext, diagnose
 
-FIXTURE = Path(__file__).parent / "fixtures" / "step_doctor_h200"
+FIXTURE = Path(__file__).parent / "fixtures" / "step_doctor_resnet50"  # --trace_out tests/tools/fixtures
 MS = 10**9  # picoseconds per ms
 RESNET_BYTES = 102_236_160
 
@@ -193,7 +192,7 @@ def test_no_gpu_plane_says_why():
     space = xspace({})
     report, why = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=CONTEXT_1)
     assert "no GPU activity" in why and "/host:CPU" in why
-    assert report == {"unavailable": why}
+    assert report["unavailable"] == why and report["context"]["gradient_bytes"] == RESNET_BYTES
 
 
 def test_missing_trace_says_which_folder(tmp_path):
@@ -270,14 +269,50 @@ def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(tmp_path):
 
 
 @pytest.mark.skipif(not (FIXTURE / "observation.json").exists(),
-                    reason=f"no GPU trace fixture at {FIXTURE} (benchmarks/step_doctor.py --trace_out writes one "
-                           "on a GPU machine)")
+                    reason=f"no GPU trace fixture at {FIXTURE} (written on a GPU machine by benchmarks/step_doctor.py "
+                           "--models resnet50 --trace_out tests/tools/fixtures)")
 def test_gpu_fixture_reads_into_a_verdict():
     observation = json.loads((FIXTURE / "observation.json").read_text())
-    context = StepContext(**{k: v for k, v in observation["context"].items() if k != "link"})
+    context = StepContext(**{k: v for k, v in observation["context"].items() if k != "link"},
+                          link=costmodel.LINKS["nvswitch-h200"] if observation["context"]["replicas"] > 1 else None)
     report, why = diagnose_trace(str(FIXTURE / "profile"), step_ms=observation["step_ms"],
                                  steps=observation["steps"], calls=observation["calls"], context=context)
     assert why is None
     assert report["verdict"]["kind"] == observation["verdict"]
     mean = report["mean"]
     assert 0 < mean["compute_ms"] <= mean["busy_ms"] <= mean["step_ms"] + 1e-6
+
+
+def test_step_doctor_benchmark_cpu_path_writes_rows_and_a_fixture(tmp_path):
+    """benchmarks/step_doctor.py on one CPU device with a tiny model: the doctor says why it has no breakdown,
+    the (a) setup is timed over the rounds, no advice is applied, and --trace_out saves the trace."""
+    root = Path(__file__).resolve().parents[2]
+    result = run_python([str(root / "benchmarks" / "step_doctor.py"), "--models", "convnet", "--devices", "cpu",
+                         "--rounds", "2", "--steps", "3", "--warmup_steps", "2", "--doctor_warmup", "2",
+                         "--doctor_window", "2", "--notorch", "--json", str(tmp_path / "out.json"),
+                         "--trace_out", str(tmp_path / "fixtures"), "--output_dir", str(tmp_path / "doctor")],
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = json.loads((tmp_path / "out.json").read_text())
+    assert list(record["rows"]) == ["a: tf_nvlink spe=1"]
+    assert len(record["rows"]["a: tf_nvlink spe=1"]["fit_s"]) == 2
+    assert "no GPU activity" in record["doctor_unavailable"] and "advice" not in record
+    assert "no steps_per_execution advice to apply" in result.stdout
+    assert 0 <= record["doctor_cost"]["fraction_of_2000_step_epoch"] < 0.5
+    fixture = tmp_path / "fixtures" / "step_doctor_convnet"
+    observation = json.loads((fixture / "observation.json").read_text())
+    assert observation["steps"] == 2 and observation["context"]["replicas"] == 1
+    assert list((fixture / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_advised_steps_per_execution_is_read_from_the_report():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("step_doctor_bench", root / "benchmarks" / "step_doctor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = {"verdict": {"advice": [{"change": "send the input as uint8", "gain": 0.1},
+                                     {"change": "steps_per_execution=8", "gain": 0.2}]}}
+    assert module.advised_steps_per_execution(report)[0] == 8
+    assert module.advised_steps_per_execution({"unavailable": "no GPU"}) == (None, None)
