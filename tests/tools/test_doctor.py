@@ -210,6 +210,8 @@ def test_outputs_table_json_chart(tmp_path):
     assert "GPU idle" in table and "11.50" in table and "unavailable: one replica" in table
     path = outputs.write_json(report, str(tmp_path / "out" / "doctor.json"))
     assert json.loads(Path(path).read_text())["verdict"]["kind"] == "host-bound"
+    events = outputs.write_tensorboard(report, str(tmp_path / "tb"), step=3)
+    assert list(Path(events).glob("events.out.tfevents.*"))
     pytest.importorskip("matplotlib")
     chart = outputs.write_chart(report, str(tmp_path / "doctor.png"))
     assert Path(chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -283,6 +285,7 @@ def test_gpu_fixture_reads_into_a_verdict():
     assert 0 < mean["compute_ms"] <= mean["busy_ms"] <= mean["step_ms"] + 1e-6
 
 
+@pytest.mark.slow  # two TensorFlow fits in a subprocess: about 15 s
 def test_step_doctor_benchmark_cpu_path_writes_rows_and_a_fixture(tmp_path):
     """benchmarks/step_doctor.py on one CPU device with a tiny model: the doctor says why it has no breakdown,
     the (a) setup is timed over the rounds, no advice is applied, and --trace_out saves the trace."""
@@ -316,3 +319,31 @@ def test_advised_steps_per_execution_is_read_from_the_report():
                                      {"change": "steps_per_execution=8", "gain": 0.2}]}}
     assert module.advised_steps_per_execution(report)[0] == 8
     assert module.advised_steps_per_execution({"unavailable": "no GPU"}) == (None, None)
+
+
+def test_machine_context_reads_the_links_from_nvml():
+    import keras
+
+    from tests import fake_nvml
+    from tf_nvlink.tools.doctor.callback import machine_context
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    h200 = machine_context(model, gpus=[0, 1], global_batch=64, nvml=fake_nvml.FakeNvml(fake_nvml.h200_x2()))
+    assert h200.link.name.startswith("nvswitch") and h200.machine_kind == "nvswitch"
+    assert (h200.replicas, h200.steps_per_execution, h200.per_replica_batch) == (1, 3, 64)
+    assert h200.gradient_bytes == 4 * (8 * 4 + 4) and h200.gradient_tensors == 2 and h200.float_input
+    one_gpu = machine_context(model, gpus=[0], global_batch=0, nvml=fake_nvml.FakeNvml(fake_nvml.h200_x2()))
+    assert one_gpu.machine_kind == "single" and one_gpu.link.name.startswith("nvswitch")  # its machine's links
+    pcie = machine_context(model, gpus=[0, 1, 2, 3], global_batch=0, nvml=fake_nvml.FakeNvml(fake_nvml.pcie_x4()))
+    assert pcie.machine_kind == "pcie" and pcie.link.name.startswith("pcie")
+    assert machine_context(model, gpus=None, global_batch=0).link is None  # no plan, no GPUs named
+
+
+def test_nvlink_answer_on_a_pcie_machine_says_nvlink_buys_nothing():
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": host_bound_steps()}))["/device:GPU:0"],
+                          step_ms=30.0, steps=4, calls=4)
+    context = StepContext(replicas=4, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                          link=costmodel.LINKS["pcie-gen4"], machine_kind="pcie")
+    answer = nvlink_answer(b, context)
+    assert "not NVLink" in answer["answer"] and answer["speedup_from_nvlink"] == 1.0

@@ -55,13 +55,15 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
     plan = getattr(strategy, "plan", None)
     chosen = tuple(gpus) if gpus is not None else tuple(getattr(plan, "gpus", ()) or ())
     link, kind = None, getattr(plan, "shape", "unknown") if plan is not None else "unknown"
-    if len(chosen) >= 2:
-        topology = nvml_module.probe(nvml)
-        if not topology.error:
-            kind = topology.kind(chosen)
+    topology = nvml_module.probe(nvml) if chosen else None
+    if topology is not None and not topology.error:
+        kind = topology.kind(chosen)
+        # one replica on a machine of several GPUs: its first two GPUs' links stand for "this machine's links"
+        linked = chosen if len(chosen) >= 2 else tuple(topology.indices[:2])
+        if len(linked) >= 2:
             try:
-                link = link_for_topology(topology, chosen)
-            except ValueError:  # GPUs NVML does not list: no link model, the predictions use the reference ones
+                link = link_for_topology(topology, linked)
+            except ValueError:  # GPUs NVML does not list: the predictions use the reference machines only
                 link = None
     float_input = any(str(getattr(t, "dtype", "")) in ("float32", "float64") for t in (model.inputs or ()))
     variables = model.trainable_variables

@@ -59,7 +59,8 @@ def nvlink_answer(b: ReplicaBreakdown, context: StepContext,
     """"How much faster is my training because of NVLink?" from the window: the all-reduce's measured time and
     bytes, the time the same bytes take over the host path, and the predicted step and speed-up without NVLink.
     With one replica there is no all-reduce: the answer says so and predicts 2 GPUs of this machine's links
-    (or of an NVSwitch H200 machine when it has one GPU)."""
+    (or of an NVSwitch H200 machine when it has one GPU). With a link that is not NVLink (a PCIe machine) the
+    answer says NVLink buys nothing."""
     no_nvlink = costmodel.LINKS[NO_NVLINK_LINK]
     modelled_bytes = costmodel.ALLREDUCE_BYTES_PER_ELEMENT[context.allreduce_dtype] * context.gradient_bytes / 4
     if context.replicas < 2:
@@ -67,7 +68,8 @@ def nvlink_answer(b: ReplicaBreakdown, context: StepContext,
         workload = _workload(b, context)
         with_nvlink = costmodel.predict(workload, link, 2, allreduce_dtype=context.allreduce_dtype)
         without = costmodel.predict(workload, no_nvlink, 2, allreduce_dtype=context.allreduce_dtype)
-        return {"answer": "one replica: nothing is all-reduced, so NVLink carries nothing; predicted for 2 GPUs",
+        return {"answer": f"one replica: nothing is all-reduced, so NVLink carries nothing; predicted for 2 GPUs "
+                          f"({link.name} against {no_nvlink.name})",
                 "gpus": 2, "nvlink_link": link.name, "step_ms_with_nvlink": round(with_nvlink.step_ms, 3),
                 "step_ms_without_nvlink": round(without.step_ms, 3),
                 "speedup_from_nvlink": round(without.step_ms / with_nvlink.step_ms, 3)}
