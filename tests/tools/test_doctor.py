@@ -347,3 +347,14 @@ def test_nvlink_answer_on_a_pcie_machine_says_nvlink_buys_nothing():
                           link=costmodel.LINKS["pcie-gen4"], machine_kind="pcie")
     answer = nvlink_answer(b, context)
     assert "not NVLink" in answer["answer"] and answer["speedup_from_nvlink"] == 1.0
+
+
+@pytest.mark.slow  # a benchmark candidate and the doctor's fit, each in its own process
+def test_examples_benchmark_step_doctor_flag_runs_the_doctor(tmp_path):
+    result = run_python(["examples/benchmark.py", "--model", "convnet", "--candidates", "auto", "--steps", "2",
+                         "--batch_per_replica", "4", "--cpu_devices", "1", "--step_doctor",
+                         "--step_doctor_dir", str(tmp_path)], timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "# step doctor: -m tf_nvlink.tools.doctor --model convnet" in result.stdout
+    report = json.loads((tmp_path / "step_doctor.json").read_text())
+    assert "no GPU activity" in report["unavailable"] and report["context"]["replicas"] == 1
