@@ -213,13 +213,14 @@ def _make_callback_class():
         # -- the window's epoch end: the report ------------------------------------------------------------------
         def on_epoch_end(self, epoch, logs=None):
             entered = time.perf_counter()
-            if self._window is not None:
-                self._close_window()
-            if self._finished is None:
-                return
-            finished, self._finished = self._finished, None
-            self._write_report(finished, epoch)
-            self.overhead_s += time.perf_counter() - entered
+            try:
+                if self._window is not None:
+                    self._close_window()
+                if self._finished is not None:
+                    finished, self._finished = self._finished, None
+                    self._write_report(finished, epoch)
+            finally:
+                self.overhead_s += time.perf_counter() - entered
 
         def _write_report(self, finished: dict, epoch: int) -> None:
             context = machine_context(self.model, self.gpus, self.global_batch, self.nvml)
