@@ -3,6 +3,7 @@ its advice, the predictions, the outputs, the Keras callback on CPU, and a GPU t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -358,3 +359,22 @@ def test_examples_benchmark_step_doctor_flag_runs_the_doctor(tmp_path):
     assert "# step doctor: -m tf_nvlink.tools.doctor --model convnet" in result.stdout
     report = json.loads((tmp_path / "step_doctor.json").read_text())
     assert "no GPU activity" in report["unavailable"] and report["context"]["replicas"] == 1
+
+
+def test_scaling_from_two_replicas_takes_off_their_overhead_and_xla_flag_advice_is_not_repeated():
+    events = [("fusion", 0.0, 20.0), ("ncclDevKernel_AllReduce", 20.0, 10.0)]
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=34.0,
+                          steps=1, calls=1)
+    link = costmodel.LINKS["nvswitch-h200"]
+    context = StepContext(replicas=2, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                          per_replica_batch=128, link=link, machine_kind="nvswitch")
+    rows = scaling(b, context, replica_overhead_ms=2.0)
+    two = [r for r in rows if r["machine"] == "nvswitch-h200" and r["gpus"] == 2][0]
+    one_gpu_ms = 34.0 - 10.0 - 2.0  # less the exposed all-reduce and one extra replica's overhead
+    assert one_gpu_ms > b.compute_ms  # (never below the kernels' 20 ms)
+    expected = costmodel.predict(costmodel.Workload(one_gpu_ms, RESNET_BYTES, 161, 128), link, 2,
+                                 replica_overhead_ms=2.0)
+    assert two["step_ms"] == pytest.approx(expected.step_ms, abs=1e-3)
+    with_flag = dataclasses.replace(context, xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
+    assert any("latency_hiding" in a.change for a in diagnose(b, context).advice)
+    assert not any("latency_hiding" in a.change for a in diagnose(b, with_flag).advice)

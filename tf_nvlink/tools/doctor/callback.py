@@ -71,7 +71,7 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
                        gradient_bytes=gradient_bytes(variables, "float32"), gradient_tensors=max(len(variables), 1),
                        per_replica_batch=global_batch // replicas if global_batch else 0,
                        allreduce_dtype=getattr(plan, "allreduce_dtype", "float32"), float_input=float_input,
-                       link=link, machine_kind=kind)
+                       link=link, machine_kind=kind, xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def _make_callback_class():

@@ -28,7 +28,7 @@ def render_table(report: dict) -> str:
     header = f"{'step doctor (ms/step)':<24}" + "".join(f"{r['plane'].replace('/device:', ''):>10}" for r in replicas)
     lines = [header]
     for key, label in (("step_ms", "step"),) + PARTS + (("h2d_ms", "input copy total"),
-                                                         ("per_call_gap_ms", "gap per fit call"),):
+                                                         ("per_call_gap_ms", "gap per call"),):
         lines.append(f"{label:<24}" + "".join(f"{r[key]:>10.2f}" for r in replicas))
     verdict = report["verdict"]
     lines.append(f"verdict: {verdict['kind']}")

@@ -1,7 +1,8 @@
 """What the measured window predicts elsewhere: scaling on 2, 4 and 8 GPUs, and what NVLink buys.
 
-Both use `tf_nvlink.tools.costmodel`, calibrated by the window: one GPU's compute is the measured step minus its
-exposed all-reduce, the gradient bytes are the model's. "Without NVLink" sends the same bytes over the host path
+Both use `tf_nvlink.tools.costmodel`, calibrated by the window: one GPU's step is the measured step minus its
+exposed all-reduce (and, measured on N replicas, the N - 1 replicas' modelled overhead), the gradient bytes are
+the model's. "Without NVLink" sends the same bytes over the host path
 NCCL takes with `NCCL_P2P_DISABLE=1` (costmodel's "pcie-host", measured on 2x H200): the all-reduce's measured
 time grows by the modelled difference, the part of it that compute hid stays hidden, and the step grows by the rest.
 
@@ -25,8 +26,12 @@ NO_NVLINK_LINK = "pcie-host"
 NVLINK_KINDS = ("nvswitch", "nvlink-all", "nvlink-partial")
 
 
-def _workload(b: ReplicaBreakdown, context: StepContext) -> costmodel.Workload:
-    return costmodel.Workload(compute_ms=max(b.step_ms - b.exposed_collective_ms, 1e-6),
+def _workload(b: ReplicaBreakdown, context: StepContext,
+              replica_overhead_ms: float = costmodel.REPLICA_OVERHEAD_HOST_FED_MS) -> costmodel.Workload:
+    """One GPU's step as the cost model takes it: the measured step less its exposed all-reduce and, measured on N
+    replicas, less the N - 1 replicas' modelled overhead (never below the kernels' own time)."""
+    one_gpu_ms = b.step_ms - b.exposed_collective_ms - (context.replicas - 1) * replica_overhead_ms
+    return costmodel.Workload(compute_ms=max(one_gpu_ms, b.compute_ms, 1e-6),
                               gradient_bytes=int(context.gradient_bytes),
                               gradient_tensors=max(int(context.gradient_tensors), 1),
                               per_gpu_batch=max(int(context.per_replica_batch), 1), name="measured")
@@ -39,7 +44,7 @@ def scaling(b: ReplicaBreakdown, context: StepContext,
 
     replica_overhead_ms: per-step cost of each extra replica (default: the host-fed figure measured on 2x H200).
     """
-    workload = _workload(b, context)
+    workload = _workload(b, context, replica_overhead_ms)
     links = {name: costmodel.LINKS[name] for name in COMPARED_LINKS}
     if context.link is not None:
         links = {"this machine": dataclasses.replace(context.link, max_gpus=max(SCALING_GPUS)), **links}

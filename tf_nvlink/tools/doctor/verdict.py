@@ -43,7 +43,8 @@ class StepContext:
     variables; gradient_tensors: how many; per_replica_batch: samples per replica per step (0 when unknown);
     allreduce_dtype: the dtype the gradients cross the link in; float_input: the model takes float32 input
     (sent to the GPUs at 4 bytes an element); link: the cost model of this machine's GPUs (None: one GPU or no
-    NVML); machine_kind: topology kind of the GPUs ("nvswitch", "nvlink-all", "pcie", "single", ...).
+    NVML); machine_kind: topology kind of the GPUs ("nvswitch", "nvlink-all", "pcie", "single", ...); xla_flags:
+    the XLA_FLAGS the process runs with (tf_nvlink sets the latency-hiding scheduler for fused multi-GPU XLA).
     """
 
     replicas: int
@@ -55,6 +56,7 @@ class StepContext:
     float_input: bool = False
     link: Optional[costmodel.LinkModel] = None
     machine_kind: str = "unknown"
+    xla_flags: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +117,7 @@ def input_advice(b: ReplicaBreakdown, context: StepContext) -> Optional[Advice]:
         return _advice("send the input as uint8 and cast it on the GPU (keras.layers.Rescaling(1/255))",
                        f"{b.exposed_h2d_ms:.2f} ms of host-to-device copy per step is not hidden; uint8 moves a "
                        f"quarter of the float32 bytes", 0.75 * b.exposed_h2d_ms, b.step_ms)
-    return _advice("prefetch the input to the devices (tf.data: dataset.prefetch(2) before fit, and "
-                   "tf.distribute.InputOptions(experimental_fetch_to_device=True) in a custom loop)",
+    return _advice("prefetch 2 batches to each device: tf_nvlink.strategy(input_buffer=2)",
                    f"{b.exposed_h2d_ms:.2f} ms of host-to-device copy per step is not hidden behind compute",
                    b.exposed_h2d_ms, b.step_ms)
 
@@ -136,6 +137,8 @@ def allreduce_advice(b: ReplicaBreakdown, context: StepContext) -> list[Advice]:
                              f"the {context.gradient_bytes / 2**20:.0f} MiB of gradients, {share:.0%} of the "
                              f"modelled all-reduce time on {context.link.name}",
                              share * b.exposed_collective_ms, b.step_ms))
+    if LATENCY_HIDING_FLAG in context.xla_flags:
+        return found
     found.append(_advice(f"XLA_FLAGS={LATENCY_HIDING_FLAG}",
                          f"the scheduler overlaps the all-reduce with the backward pass: it can hide at most the "
                          f"{b.exposed_collective_ms:.2f} ms exposed per step (an upper bound)",
