@@ -9,7 +9,8 @@ Each measurement is the wall time of a whole `fit` of --steps steps (a --warmup_
 table gives each setup's median over the rounds and the spread (max - min) / median, and the JSON keeps every round.
 
     python benchmarks/step_doctor.py --rounds 3 --json step_doctor.json                     # 1x H200
-    python benchmarks/step_doctor.py --models resnet50 --trace_out tests/tools/fixtures     # keep the trace
+    python benchmarks/step_doctor.py --models resnet50 --doctor_window 3 --trace_out tests/tools/fixtures
+                                                      # keep a small trace: the CPU tests' fixture
     python benchmarks/step_doctor.py --models convnet --devices cpu --rounds 1 --notorch    # CPU smoke run
 
 Models and input are the training benchmark's (uint8 images cast on the GPU, mixed_bfloat16, SGD momentum 0.9):
