@@ -233,6 +233,7 @@ def _make_callback_class():
                                   "measured": "from on_train_begin to the first batch of the window's fit"}
             report["window"] = {"epoch": epoch, "steps": finished["steps"], "calls": finished["calls"],
                                 "step_ms": round(finished["step_ms"], 4)}
+            report["doctor_hooks_s"] = round(self.overhead_s, 4)  # the doctor's own time up to the window's end
             if why:
                 self._say_unavailable(why)
             self.report = report

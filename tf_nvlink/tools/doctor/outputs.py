@@ -1,7 +1,8 @@
 """The doctor's report as people read it: a short text table, a JSON file, a PNG bar chart, TensorBoard scalars.
 
 A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane), "mean", "verdict",
-"nvlink", "scaling", "nvlink_bytes_per_step", "fit_call" and "overhead".
+"nvlink", "scaling", "context", "trace", "nvlink_bytes_per_step", "fit_call", "window" and "doctor_hooks_s"; without
+a breakdown, "unavailable" (why) instead of the first five.
 
 Example:
     >>> print(render_table(doctor.report))
