@@ -3,6 +3,7 @@ r"""Synthetic training throughput: tf_nvlink's plan against every cross-device-o
     python examples/benchmark.py                                 # the seed MLP, every candidate
     python examples/benchmark.py --model resnet50 --candidates 1gpu,stock,auto
     python examples/benchmark.py --model resnet50 --nvlink_off   # adds each candidate with NCCL_P2P_DISABLE=1
+    python examples/benchmark.py --model resnet50 --step_doctor  # + the step doctor's breakdown and advice
 
 Each candidate trains in its own process (TensorFlow tolerates one MirroredStrategy per process) on synthetic
 data, side by side in one run, and the table gives examples/s, the speed-up over one GPU, the scaling efficiency
@@ -11,6 +12,7 @@ data, side by side in one run, and the table gives examples/s, the speed-up over
 
 import json
 import os
+import subprocess
 import sys
 
 from absl import app
@@ -43,6 +45,23 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Run over N logical CPU de
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Run the candidate list this many times, interleaved, and report each "
                                "candidate's median (these machines are noisy: 3 is a good start).", lower_bound=1)
 _JSON = flags.DEFINE_string("json", "", "Write the records to this JSON file.")
+_STEP_DOCTOR = flags.DEFINE_bool(
+    "step_doctor", False, "Also fit the model once under tf_nvlink.strategy() with tf_nvlink.StepDoctor (its own "
+    "process) and print where the step time goes, the verdict and the advice with its predicted gain.")
+_STEP_DOCTOR_DIR = flags.DEFINE_string("step_doctor_dir", "step_doctor", "Where --step_doctor writes "
+                                       "step_doctor.json, step_doctor.png and the trace.")
+
+
+def run_step_doctor(model: str, batch_per_replica: int, cpu_devices: int, output_dir: str) -> int:
+    """`python -m tf_nvlink.tools.doctor` in a child process (one strategy per process); its exit status."""
+    command = [sys.executable, "-m", "tf_nvlink.tools.doctor", "--model", model, "--batch_per_replica",
+               str(batch_per_replica), "--output_dir", output_dir]
+    if cpu_devices:
+        command += ["--cpu_devices", str(cpu_devices)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"\n# step doctor: {' '.join(command[1:])}", flush=True)
+    return subprocess.run(command, env=env).returncode
 
 
 def main(argv):
@@ -70,7 +89,11 @@ def main(argv):
     print(training_bench.render_table(results))
     if _JSON.value:
         atomic_files.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)
-    return 1 if any("error" in r for r in results) else 0
+    doctor_status = 0
+    if _STEP_DOCTOR.value:
+        doctor_status = run_step_doctor(_MODEL.value, _BATCH.value or training_bench.DEFAULT_BATCH[_MODEL.value],
+                                        cpu_devices, _STEP_DOCTOR_DIR.value)
+    return 1 if doctor_status or any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":
