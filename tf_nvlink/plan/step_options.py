@@ -36,6 +36,10 @@ _EMPTY_VALUE_OK = ("xla_gpu_enable_command_buffer",)
 # Fused multi-GPU XLA: the scheduler overlaps the in-XLA NCCL all-reduce with the backward pass (ResNet-50,
 # 2x H200, host-fed fit: 5518/5453 vs 5181/5182 img/s, +3-6%; training_bench auto 6535 vs 6360).
 FUSED_MULTI_GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+# Every GPU plan: a profile (the step doctor's window, TensorBoard's profiler) then runs the compiled step as it
+# runs unprofiled, with its CUDA graphs, instead of thunk by thunk with a launch per kernel. It changes nothing
+# while no profiler session is active.
+GPU_XLA_FLAGS = ("--xla_enable_command_buffers_during_profiling=true",)
 XLA_FLAGS_CHOICES = ("auto", "none")
 ALLREDUCE_DTYPES = ("float32", "bfloat16")
 # Batches prefetched to each GPU by `experimental_distribute_dataset`: TensorFlow's default, 1. Deeper was slower on
@@ -78,19 +82,20 @@ def validate_xla_flags(xla_flags) -> tuple[str, ...]:
 
 
 def choose_xla_flags(n_gpus: int, xla_allreduce: str, request="auto") -> tuple[str, ...]:
-    """The XLA flags a plan wants: the latency-hiding scheduler when 2+ GPUs all-reduce inside XLA ("fused");
-    nothing for 1 GPU, CPUs or split mode (no collective inside XLA to overlap); the caller's own list as given.
+    """The XLA flags a plan wants: on GPUs, CUDA graphs kept while profiling (GPU_XLA_FLAGS); plus the
+    latency-hiding scheduler when 2+ GPUs all-reduce inside XLA ("fused": a collective inside XLA to overlap);
+    nothing on CPUs or for "none"; the caller's own list as given.
 
     Example:
         >>> choose_xla_flags(2, "fused")
-        ('--xla_gpu_enable_latency_hiding_scheduler=true',)
+        ('--xla_enable_command_buffers_during_profiling=true', '--xla_gpu_enable_latency_hiding_scheduler=true')
     """
     explicit = validate_xla_flags(request)
     if not isinstance(request, str):
         return explicit
-    if request == "none" or n_gpus < 2 or xla_allreduce != "fused":
+    if request == "none" or n_gpus < 1:
         return ()
-    return FUSED_MULTI_GPU_XLA_FLAGS
+    return GPU_XLA_FLAGS + (FUSED_MULTI_GPU_XLA_FLAGS if n_gpus >= 2 and xla_allreduce == "fused" else ())
 
 
 def merge_xla_flags(user_xla_flags: str, planned: Sequence[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
@@ -144,7 +149,7 @@ def choose_knobs(plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dty
 
     Example:
         >>> choose_knobs(plan, user_xla_flags="").xla_flags     # a 2-GPU fused plan
-        ('--xla_gpu_enable_latency_hiding_scheduler=true',)
+        ('--xla_enable_command_buffers_during_profiling=true', '--xla_gpu_enable_latency_hiding_scheduler=true')
     """
     validate_allreduce_dtype(allreduce_dtype)  # with one replica nothing is all-reduced: recorded, harmless
     planned = choose_xla_flags(len(plan.gpus), plan.xla_allreduce, xla_flags)
