@@ -374,3 +374,18 @@ def set_initial_epoch(model, epoch: int) -> None:
     `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
     """
     model._initial_epoch = epoch  # noqa: SLF001
+
+
+def read_profiler_trace(path: str):
+    """The `XSpace` protobuf of one TensorFlow profiler trace file (`*.xplane.pb`), for the training benchmark's
+    `--profile` summary.
+
+    Why: TensorFlow writes its profiler traces as XSpace protobufs and offers no public reader; the message class
+    ships in `tensorflow.tsl.profiler.protobuf.xplane_pb2` (checked with TensorFlow 2.21).
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as trace:
+        space.ParseFromString(trace.read())
+    return space
