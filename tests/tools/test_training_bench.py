@@ -274,7 +274,8 @@ def test_bench_workers_train_on_two_cpu_replicas(model, candidates, tmp_path):
         assert records[1]["xla_flags_env"] is None or "command_buffer" not in records[1]["xla_flags_env"]
         assert records[1]["allreduce_dtype"] == "bfloat16" and "all-reduced in bfloat16" in records[1]["plan"]
         traced = records[1]["profile"]
-        assert traced["logdir"] == str(tmp_path / "profile" / "auto_bf16grad") and traced["trace"].endswith(".xplane.pb")
+        assert traced["logdir"] == str(tmp_path / "profile" / "auto_bf16grad")
+        assert traced["trace"].endswith(".xplane.pb")
         assert traced["host_top"], traced  # the busiest host ops of the traced steps
     else:
         assert [r["input"] for r in records] == ["host", "device"]

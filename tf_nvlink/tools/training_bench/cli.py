@@ -232,7 +232,8 @@ def _run_workers(args: list[str], env: dict, cpu_devices: int, timeout: int) -> 
     envs = [dict(env, CUDA_VISIBLE_DEVICES=visible, CUDA_DEVICE_ORDER="PCI_BUS_ID",  # NVML's order
                  TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
             for i, visible in enumerate(layout)]
-    outcomes = json_workers.run_json_workers([args] * len(layout), envs, timeout, accept=lambda r: "examples_per_s" in r)
+    outcomes = json_workers.run_json_workers([args] * len(layout), envs, timeout,
+                                             accept=lambda r: "examples_per_s" in r)
     errors = [f"worker {i}: {error}" for i, (record, error) in enumerate(outcomes) if record is None]
     if errors:
         return None, "; ".join(errors)
