@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
-#                                                      transformer p2poff cudagraphs profile monitor onegpu onegpu8 (each
-#                                                      about 10 minutes or less on 2x H200; one per command)
+#                                                      transformer p2poff cudagraphs loops profile monitor onegpu
+#                                                      onegpu8 (each about 10 minutes or less on 2x H200; one per command)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
@@ -59,11 +59,13 @@ for stage in $stages; do
     cudagraphs) run cudagraphs "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
                   --long_steps 240 --warmup_steps 10 --candidates 1gpu,1gpu@nocudagraphs,auto,auto@nocudagraphs \
                   --json "$out/cudagraphs.json" ;;
+    loops) run loops "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 --warmup_steps 10 \
+             --candidates auto,auto@customloop --json "$out/loops.json" ;;
     profile) run profile "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 1 --steps 30 \
                --candidates 1gpu,onedevice,auto --profile "$out/profile" --json "$out/profile.json" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
-            "p2poff cudagraphs profile monitor onegpu onegpu8" >&2; exit 2 ;;
+            "p2poff cudagraphs loops profile monitor onegpu onegpu8" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -49,7 +49,7 @@ def test_parse_candidates_rejects_unknown_names_naming_the_bad_token_and_valid_o
 @pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split", "1gpu@bf16grad", "stock@nolhs",
                                   "workers@buffer1", "onedevice@nosync"])
 def test_strategy_knobs_only_for_tf_nvlink_single_process_strategies(text):
-    with pytest.raises(ValueError, match="only '@nocudagraphs', '@ondevice', '@nop2p' apply"):
+    with pytest.raises(ValueError, match="only '@nocudagraphs', '@ondevice', '@nop2p', '@customloop' apply"):
         parse_list(text)
 
 
@@ -282,6 +282,18 @@ def test_bench_workers_train_on_two_cpu_replicas(model, candidates, tmp_path):
         assert records[0]["tokens_per_s"] == pytest.approx(16 * records[0]["examples_per_s"])
         assert records[0]["parameters"] == records[1]["parameters"] == 21312
         assert "tokens/s" in training_bench.render_table(records)
+
+
+def test_custom_loop_candidate_trains_two_cpu_replicas_with_an_xla_step():
+    """@customloop: TensorFlow's custom-training-guide loop (strategy.run of a jit_compile step) instead of fit."""
+    record = training_bench.run_candidates("convnet", ["auto@customloop"], steps=2, warmup_steps=1, cpu_devices=2,
+                                           rounds=1, timeout=240)[0]
+    assert "error" not in record, record.get("error")
+    assert record["training_loop"] == "custom" and record["replicas"] == 2 and record["examples_per_s"] > 0
+    assert record["nvlink_unavailable"] == "custom loop: NVLinkMonitor is a model.fit callback"
+    assert "@customloop rows time the custom loop's steps" in training_bench.render_table([record])
+    with pytest.raises(ValueError, match="'@customloop' runs in one process"):
+        Candidate.parse("workers@customloop")
 
 
 def test_table_knob_ratios_and_scaling_per_input():

@@ -1,5 +1,7 @@
 """A training-benchmark candidate: a base setup and its modifiers, written `BASE@MODIFIER@...` (`auto@bf16grad@nop2p`).
 
+The modifier `@customloop` times TensorFlow's custom-training-guide loop instead of `model.fit`.
+
 Bases: `1gpu` (plain Keras, no strategy), `onedevice` (TensorFlow's OneDeviceStrategy on the first device: a
 strategy scope without replicas' machinery), `stock` (`tf.distribute.MirroredStrategy()` as TensorFlow gives it),
 `auto` and the cross-device ops names (`tf_nvlink.strategy(cross_device_ops=...)`), `workers` (one
@@ -31,6 +33,7 @@ ANY_BASE_MODIFIERS = {
     "nocudagraphs": "XLA_FLAGS=--xla_gpu_enable_command_buffer=, no CUDA graphs",
     "ondevice": "the batch held on each device, indices from the host",
     "nop2p": "NCCL_P2P_DISABLE=1, NCCL through host memory",
+    "customloop": "a custom training loop, strategy.run of a tf.function step, instead of model.fit; not for workers",
 }
 MODIFIERS = {**STRATEGY_MODIFIERS, **ANY_BASE_MODIFIERS}
 # NCCL has no CPU kernels, HierarchicalCopyAllReduce falls back to reduce-to-one on CPU devices, fused XLA
@@ -68,6 +71,7 @@ class Candidate:
     nocudagraphs: bool = False
     ondevice: bool = False
     nop2p: bool = False
+    customloop: bool = False
 
     def __post_init__(self):
         if self.base not in BASES:
@@ -80,6 +84,9 @@ class Candidate:
             raise ValueError(f"Candidate {self.label!r}: {['@' + x for x in used]} are arguments of a "
                              f"single-process tf_nvlink strategy; {self.base!r} has none (only "
                              f"{', '.join(repr('@' + x) for x in ANY_BASE_MODIFIERS)} apply).")
+        if self.customloop and self.base == "workers":
+            raise ValueError(f"Candidate {self.label!r}: '@customloop' runs in one process; 'workers' measures "
+                             f"model.fit only.")
 
     @classmethod
     def parse(cls, text: str) -> "Candidate":

@@ -23,7 +23,9 @@ Candidates (`candidates.Candidate`: a base and its `@` modifiers):
   `hierarchical`: `tf_nvlink.strategy(cross_device_ops=...)`;
 - modifiers for every base: `@nop2p` (`NCCL_P2P_DISABLE=1`: NCCL moves data through host memory, as on a
   PCIe-only machine), `@nocudagraphs` (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`: no CUDA graphs),
-  `@ondevice`;
+  `@ondevice`, `@customloop` (TensorFlow's custom-training-guide loop instead of `model.fit`: a
+  `tf.function(jit_compile=...)` step run by `strategy.run`, called per batch from Python, timed up to the
+  last step's loss on the host);
 - knob modifiers for tf_nvlink strategies, each measured against the same name without it: `@nolhs`
   (xla_flags="none": no latency-hiding scheduler), `@bf16grad` (allreduce_dtype="bfloat16"), `@buffer1`
   (input_buffer=1, TensorFlow's default prefetch depth), `@split`/`@fused` (XLA all-reduce mode), `@nosync`
@@ -64,7 +66,8 @@ KNOB_LINES = {"nolhs": ("latency-hiding scheduler on/off", False),
               "bf16grad": ("bfloat16/float32 gradient all-reduce", True),
               "buffer1": ("plan's input buffer/buffer 1", False),
               "nocudagraphs": ("CUDA graphs (XLA command buffers) on/off", False),
-              "ondevice": ("data on the device/host-fed", True)}
+              "ondevice": ("data on the device/host-fed", True),
+              "customloop": ("custom loop/model.fit", True)}
 CPU_FALLBACK_DEVICES = 2
 
 
@@ -403,7 +406,9 @@ def _footer_lines(results: list[dict], ok: dict[Candidate, dict]) -> list[str]:
                         if timed.get("steps_per_execution", 1) > 1 else "")
                      + "; input host = tf.data from host memory"
                      + (" (uint8 images cast on the device)" if timed["model"] in IMAGE_MODELS else "")
-                     + ", device = the batch held on each device, indices from the host")
+                     + ", device = the batch held on each device, indices from the host"
+                     + ("; @customloop rows time the custom loop's steps instead, up to the last loss on the host"
+                        if any(c.customloop for c in ok) else ""))
     if any(r.get("nvlink_bytes_per_step") is not None for r in ok.values()):
         reasons = sorted({f"{r['candidate']}: {r['nvlink_unavailable']}" for r in ok.values()
                           if r.get("nvlink_unavailable") and r["replicas"] > 1})

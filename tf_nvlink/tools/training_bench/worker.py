@@ -55,7 +55,12 @@ def run_worker(model_name: str, candidate: Candidate, batch_per_replica: int, st
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
                       jit_compile=use_jit, steps_per_execution=steps_per_execution)
-    measured = time_fits(model, dataset, plan, timing, candidate)
+    if candidate.customloop:
+        train = custom_loop_trainer(tf, keras, model, strategy, dataset, global_batch,
+                                    from_logits=model_name != "resnet50", jit=use_jit)
+    else:
+        train = fit_trainer(model, dataset)
+    measured = time_fits(train, plan, timing, candidate)
     return make_record(model_name, candidate, model, plan, strategy.num_replicas_in_sync, batch_per_replica,
                        input_mode, timing, measured)
 
@@ -98,31 +103,74 @@ def synthetic_dataset(tf, model_name: str, global_batch: int, input_mode: str):
     return x, dataset.with_options(options)
 
 
-def _fit_seconds(model, dataset, steps: int, callbacks=()) -> float:
+def fit_trainer(model, dataset):
+    """train(steps, callbacks) = one `model.fit` of `steps` steps."""
+    def train(steps: int, callbacks=()) -> None:
+        model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=list(callbacks))
+
+    return train
+
+
+def custom_loop_trainer(tf, keras, model, strategy, dataset, global_batch: int, from_logits: bool, jit: bool):
+    """train(steps) = TensorFlow's custom-training-guide loop: a `tf.function(jit_compile=jit)` step that calls
+    `optimizer.apply_gradients`, run by `strategy.run` inside a plain `tf.function`, called once per batch from
+    Python, up to the last step's loss on the host (as fit's final logs wait). Keras callbacks do not apply."""
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits, reduction="none")
+
+    @tf.function(jit_compile=jit)
+    def train_step(features, labels):
+        with tf.GradientTape() as tape:
+            per_example = loss_object(labels, model(features, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_step(batch):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(train_step, args=batch), axis=None)
+
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def train(steps: int, callbacks=()) -> None:
+        del callbacks
+        loss = None
+        for _ in range(steps):
+            loss = distributed_step(next(iterator))
+        float(loss)
+
+    return train
+
+
+def _seconds(train, steps: int, callbacks=()) -> float:
     started = time.perf_counter()
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=list(callbacks))
+    train(steps, callbacks)
     return time.perf_counter() - started
 
 
-def time_fits(model, dataset, plan, timing: Timing, candidate: Candidate) -> dict:
-    """The warm-up fit, the timed fit (NVLinkMonitor on it), then the long fit and the profiled fit if asked.
-    Returns {"fit_s", "long_fit_s", "nvlink": NVLinkMonitor, "profile": trace summary or None}."""
-    _fit_seconds(model, dataset, timing.warmup_steps)  # compiles
-    from tf_nvlink.training import nvlink_monitor
+def time_fits(train, plan, timing: Timing, candidate: Candidate) -> dict:
+    """The warm-up run (compiles), the timed run (NVLinkMonitor on a fit), then the long run and the profiled run
+    if asked. Returns {"fit_s", "long_fit_s", "nvlink": NVLinkMonitor or None, "profile": trace summary or None}."""
+    _seconds(train, timing.warmup_steps)
+    monitor = None
+    if not candidate.customloop:
+        from tf_nvlink.training import nvlink_monitor
 
-    # bf16grad: the all-reduce moves bfloat16 gradients, half the bytes of the float32 variables
-    monitor = nvlink_monitor.NVLinkMonitor(
-        gradient_dtype="bfloat16" if getattr(plan, "allreduce_dtype", "") == "bfloat16" else None)
-    measured = {"fit_s": _fit_seconds(model, dataset, timing.steps, [monitor]), "nvlink": monitor,
+        # bf16grad: the all-reduce moves bfloat16 gradients, half the bytes of the float32 variables
+        monitor = nvlink_monitor.NVLinkMonitor(
+            gradient_dtype="bfloat16" if getattr(plan, "allreduce_dtype", "") == "bfloat16" else None)
+    measured = {"fit_s": _seconds(train, timing.steps, [monitor] if monitor else []), "nvlink": monitor,
                 "long_fit_s": None, "profile": None}
     if timing.long_steps:
-        measured["long_fit_s"] = _fit_seconds(model, dataset, timing.long_steps)
+        measured["long_fit_s"] = _seconds(train, timing.long_steps)
     if timing.profile_dir:
-        measured["profile"] = profile_fit(model, dataset, timing, candidate)
+        measured["profile"] = profile_fit(train, timing, candidate)
     return measured
 
 
-def profile_fit(model, dataset, timing: Timing, candidate: Candidate) -> dict:
+def profile_fit(train, timing: Timing, candidate: Candidate) -> dict:
     """Trace `timing.profile_steps` steps with TensorFlow's profiler into profile_dir/<candidate>/ and summarize
     the trace (where each GPU's step time goes)."""
     import tensorflow as tf
@@ -132,7 +180,7 @@ def profile_fit(model, dataset, timing: Timing, candidate: Candidate) -> dict:
     logdir = os.path.join(timing.profile_dir, candidate.label.replace("@", "_"))
     tf.profiler.experimental.start(logdir)
     try:
-        model.fit(dataset, steps_per_epoch=timing.profile_steps, epochs=1, verbose=0, shuffle=False)
+        train(timing.profile_steps)
     finally:
         tf.profiler.experimental.stop()
     return dict(trace_summary.summarize_trace(logdir, timing.profile_steps), logdir=logdir)
@@ -174,7 +222,10 @@ def make_record(model_name: str, candidate: Candidate, model, plan, replicas: in
         "xla_allreduce": getattr(plan, "xla_allreduce", None) if model.jit_compile and replicas > 1 else None,
         "xla_flags_env": os.environ.get("XLA_FLAGS"),
         "allreduce_dtype": getattr(plan, "allreduce_dtype", None), "input_buffer": getattr(plan, "input_buffer", None),
-        **nvlink_traffic.bench_record(measured["nvlink"]),
+        "training_loop": "custom" if candidate.customloop else "fit",
+        **(nvlink_traffic.bench_record(measured["nvlink"]) if measured["nvlink"] else {
+            "nvlink_bytes_per_step": None, "nvlink_expected_bytes_per_step": None, "nvlink_gbps": None,
+            "nvlink_unavailable": "custom loop: NVLinkMonitor is a model.fit callback"}),
     }
     steady = steady_state(seconds, measured["long_fit_s"], timing.steps, timing.long_steps)
     if steady:
