@@ -4,7 +4,8 @@
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
 #                                                      transformer p2poff cudagraphs loops profile monitor onegpu
-#                                                      onegpu8 (each about 10 minutes or less on 2x H200; one per command)
+#                                                      onegpu8 (each about 10 minutes or less on 2x H200; one per
+#                                                      command)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.

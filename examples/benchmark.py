@@ -31,9 +31,9 @@ _CANDIDATES = flags.DEFINE_string(
     "candidates", ",".join(c for c in BASES if c != "workers"),
     "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
     "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical, onedevice (OneDeviceStrategy); each may "
-    "end in @nop2p, @ondevice, @nocudagraphs or @customloop (not workers), and tf_nvlink's in @split, @fused, @nolhs, @bf16grad, @buffer1 or "
-    "@nosync. "
-    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p, @ondevice, @nocudagraphs only).")
+    "end in @nop2p, @ondevice, @nocudagraphs or @customloop (not workers), and tf_nvlink's in @split, @fused, "
+    "@nolhs, @bf16grad, @buffer1 or @nosync. Also workers (one MultiWorkerMirroredStrategy process per GPU on this "
+    "host; @nop2p, @ondevice, @nocudagraphs only).")
 _BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
                               lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)
