@@ -23,17 +23,19 @@ try:
 except ImportError:  # run from a source checkout without `pip install .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tf_nvlink.tools.training_bench import cli as training_bench
+from tf_nvlink.tools.training_bench.candidates import BASES, Candidate, parse_list
 from tf_nvlink.util import atomic_files
 
 _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
                            "mlp: the seed 784-256-128-10 MLP (overhead-bound); resnet50: ResNet-50 on 224x224 "
                            "synthetic images with mixed_bfloat16 (compute-heavy); convnet: a tiny CPU-friendly net.")
 _CANDIDATES = flags.DEFINE_string(
-    "candidates", ",".join(c for c in training_bench.CANDIDATES if c != "workers"),
+    "candidates", ",".join(c for c in BASES if c != "workers"),
     "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
-    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p or @ondevice, and "
-    "tf_nvlink's in @split, @fused, @nolhs, @bf16grad, @buffer1 or @nosync (training_bench.SUFFIXES). "
-    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p, @ondevice only).")
+    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical, onedevice (OneDeviceStrategy); each may "
+    "end in @nop2p, @ondevice, @nocudagraphs or @customloop (not workers), and tf_nvlink's in @split, @fused, "
+    "@nolhs, @bf16grad, @buffer1 or @nosync. Also workers (one MultiWorkerMirroredStrategy process per GPU on this "
+    "host; @nop2p, @ondevice, @nocudagraphs only).")
 _BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
                               lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)
@@ -67,11 +69,11 @@ def run_step_doctor(model: str, batch_per_replica: int, cpu_devices: int, output
 def main(argv):
     del argv
     try:
-        candidates = training_bench.parse_candidates(_CANDIDATES.value)
+        candidates = parse_list(_CANDIDATES.value)
     except ValueError as exc:
         raise app.UsageError(str(exc)) from exc
-    if _NVLINK_OFF.value and "auto@nop2p" not in candidates:
-        candidates.append("auto@nop2p")
+    if _NVLINK_OFF.value and Candidate("auto", nop2p=True) not in candidates:
+        candidates.append(Candidate("auto", nop2p=True))
     print("# " + " ".join(sys.argv), flush=True)
     cpu_devices = _CPU_DEVICES.value
     no_gpu = None if cpu_devices else training_bench.gpu_absence()
@@ -80,7 +82,7 @@ def main(argv):
         candidates, dropped = training_bench.cpu_candidates(candidates)
         print(f"# no GPU here ({no_gpu}): running on {cpu_devices} logical CPU devices, as --cpu_devices "
               f"{cpu_devices} does; CPU figures say nothing about NVLink"
-              + (f"; left out {', '.join(dropped)} (they need GPUs)" if dropped else ""), flush=True)
+              + (f"; left out {', '.join(c.label for c in dropped)} (they need GPUs)" if dropped else ""), flush=True)
         if not candidates:
             raise app.UsageError(f"no candidate of --candidates={_CANDIDATES.value!r} runs without GPUs; try "
                                  f"--candidates 1gpu,stock,auto,collective,reduce_to_one --cpu_devices 2")
