@@ -3,7 +3,7 @@ gain, then interleaved rounds of
   (a) `tf_nvlink.strategy()`, `steps_per_execution=1` (what the doctor looked at),
   (b) the same with the doctor's `steps_per_execution=N` applied (when it advises one),
   (c) ResNet-50 only: a PyTorch peer in a child process (torchvision resnet50, bf16 autocast, channels_last,
-      `torch.compile` with default options, SGD momentum, the same batch and uint8 host batch copied to the GPU
+      `torch.compile` with default options, SGD momentum, the same batch and a pinned uint8 host batch copied to the GPU
       and scaled each step).
 Each measurement is the wall time of a whole `fit` of --steps steps (a --warmup_steps fit before compiles); the
 table gives each setup's median over the rounds and the spread (max - min) / median, and the JSON keeps every round.
@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tf_nvlink.tools import bench_stats  # noqa: E402
 from tf_nvlink.tools.training_bench import models as bench_models  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
 
@@ -72,12 +72,12 @@ def torch_child(batch: int, steps: int, warmup_steps: int) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     compiled = torch.compile(model)
     rng = np.random.default_rng(0)
-    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8))
+    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8)).pin_memory()
     host_y = torch.from_numpy(rng.integers(0, 10, size=(batch,)).astype("int64"))
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step():
-        x = host_x.to(device, non_blocking=False).float().div_(255.0).contiguous(memory_format=torch.channels_last)
+        x = host_x.to(device, non_blocking=True).float().div_(255.0).contiguous(memory_format=torch.channels_last)
         y = host_y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(compiled(x), y)
@@ -141,9 +141,9 @@ def timed_fit(model, dataset, steps: int) -> float:
 
 
 def summary(seconds: list, samples_per_fit: int) -> dict:
-    median = statistics.median(seconds)
-    return {"fit_s": seconds, "median_s": median, "spread": (max(seconds) - min(seconds)) / median,
-            "samples_per_s": samples_per_fit / median}
+    stats = bench_stats.summarize(seconds)
+    return {"fit_s": seconds, "median_s": stats.median, "spread": stats.spread,
+            "samples_per_s": samples_per_fit / stats.median}
 
 
 def save_fixture(doctor, model_name: str, out_dir: str) -> str:
