@@ -108,10 +108,15 @@ class TorchPeer:
             [sys.executable, os.path.abspath(__file__), "--torch_child", f"--batch_per_replica={batch}",
              f"--steps={steps}", f"--warmup_steps={warmup_steps}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.started = False
+
+    def wait_until_ready(self) -> None:
+        """Block until the child has compiled and warmed up (it does so while the TensorFlow side compiles)."""
         line = self.process.stdout.readline().strip()
         if line != "ready":
             self.close()
             raise RuntimeError(f"the PyTorch peer did not start (said {line!r}; its stderr is above)")
+        self.started = True
 
     def run(self) -> float:
         self.process.stdin.write("run\n")
@@ -120,8 +125,11 @@ class TorchPeer:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.write("quit\n")
-            self.process.stdin.close()
+            try:
+                self.process.stdin.write("quit\n")
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
             self.process.wait(timeout=60)
 
 
@@ -166,8 +174,11 @@ def bench_model(name: str, strategy, batch: int, torch_peer: bool) -> dict:
     from tf_nvlink.tools.doctor import bench
 
     steps, rounds = _STEPS.value, _ROUNDS.value
+    peer = TorchPeer(batch, steps, _WARMUP.value) if torch_peer else None  # first: it compiles while TF does
     model_a, dataset, global_batch = bench.build(name, strategy, batch, steps_per_execution=1)
     timed_fit(model_a, dataset, _WARMUP.value)  # compiles
+    if peer:
+        peer.wait_until_ready()  # idle from here on, until its rounds: the doctor's window has the GPU alone
     doctor = bench.doctor_fit(model_a, dataset, global_batch, os.path.join(_OUTPUT.value, name),
                               warmup_steps=_DOCTOR_WARMUP.value, window_steps=_DOCTOR_WINDOW.value)
     report = doctor.report or {}
@@ -177,7 +188,6 @@ def bench_model(name: str, strategy, batch: int, torch_peer: bool) -> dict:
         model_b, _, _ = bench.build(name, strategy, batch, steps_per_execution=n)
         timed_fit(model_b, dataset, max(_WARMUP.value, n))
         setups[f"b: tf_nvlink spe={n} (advised)"] = model_b
-    peer = TorchPeer(batch, steps, _WARMUP.value) if torch_peer else None
     seconds = {label: [] for label in setups}
     if peer:
         seconds["c: torch.compile peer"] = []
@@ -249,6 +259,8 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--models: {unknown} unknown; valid: {list(bench_models.BENCH_MODELS)}")
     print("# " + " ".join(sys.argv), flush=True)
+    # TensorFlow takes every GPU's memory at its first op unless told to grow: the PyTorch peer shares the GPU.
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     from tf_nvlink.tools.doctor import bench
 
     strategy = bench.configure(cpu_devices=_CPU_DEVICES.value if _DEVICES.value == "cpu" else 0)
