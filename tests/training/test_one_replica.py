@@ -18,10 +18,11 @@ import json, sys
 import numpy as np, tensorflow as tf
 mode = sys.argv[1]
 import dataclasses, keras
+from tf_nvlink.distribute import base
 if mode == "fused":
     strategy = fused_strategy_emulated_on_cpu(devices=("/cpu:0",))
     # the plan says "split" (as for fit on one GPU): one replica must still get the fused per-replica step
-    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="split")
+    base.attach_plan(strategy, dataclasses.replace(strategy.plan, xla_allreduce="split"))
 else:
     strategy = tf.distribute.get_strategy()
 with strategy.scope():
@@ -46,7 +47,7 @@ x = tf.constant(rng.normal(size=(8, 4)), tf.float32)
 y = tf.constant(rng.normal(size=(8, 1)), tf.float32)
 losses = [float(train(x, y)) for _ in range(5)]
 print(json.dumps({"losses": losses, "iterations": int(optimizer.iterations.numpy()),
-                  "mode": getattr(strategy, "_custom_loop_mode", None),
+                  "mode": base.runner_of(strategy).custom_loop_mode if base.is_tf_nvlink_strategy(strategy) else None,
                   "weights": [w.ravel().tolist() for w in model.get_weights()]}))
 """
 
@@ -94,13 +95,13 @@ import collections, json, sys
 import numpy as np, tensorflow as tf
 mode, steps_per_execution = sys.argv[1], int(sys.argv[2])
 import keras
-from tf_nvlink.training import install
+from tf_nvlink.training import gradient_allreduce
 if mode == "plain":
     strategy = tf.distribute.get_strategy()
 else:
     strategy = fused_strategy_emulated_on_cpu(devices=("/cpu:0",))  # TensorFlow's path on one GPU under XLA
     if mode == "keras_allreduce":
-        install.allreduce.uninstall_gradient_allreduce_hook()
+        gradient_allreduce.uninstall_gradient_allreduce_hook()
 with strategy.scope():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])

@@ -26,18 +26,16 @@ import socket
 from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
-from tf_nvlink.machine import tf_devices as devices_lib
+from tf_nvlink import internals
+from tf_nvlink.distribute import base
+from tf_nvlink.distribute.rendezvous import DEFAULT_PEER_TIMEOUT_S, wait_for_peers
 from tf_nvlink.machine import nvml
-# The names users and tests reach through this module, from where they live now.
-from tf_nvlink.plan import policy
-from tf_nvlink.training import install
-from tf_nvlink.machine.cluster_config import (COLLECTIVE_JOBS, JOBS, ClusterConfig, TfConfigError, loopback_nccl_env,  # noqa: F401
-                               parse_tf_config, split_address)
-from tf_nvlink.plan.policy import choose_implementation
-from tf_nvlink.distribute.rendezvous import DEFAULT_PEER_TIMEOUT_S, PeerUnreachableError, wait_for_peers  # noqa: F401
+from tf_nvlink.machine import tf_devices as devices_lib
+from tf_nvlink.machine.cluster_config import COLLECTIVE_JOBS, ClusterConfig, TfConfigError, loopback_nccl_env
 from tf_nvlink.machine.topology import Topology
+from tf_nvlink.plan import policy
+from tf_nvlink.plan.policy import choose_implementation
 
 log = logging.getLogger("tf_nvlink")
 
@@ -79,8 +77,8 @@ class WorkerInfo:
 class MultiWorkerPlan:
     """What `build_strategy` built, and why: this worker's `policy.Plan` plus the cluster.
 
-    Attributes the local `Plan` has (gpus, fingerprint, shape, devices, ...) are read through, so code written
-    for the single-host plan keeps working.
+    The properties below read the local `Plan`'s fields that code written for either plan uses (the device
+    list, the XLA mode); anything else is in `local`.
     """
 
     local: policy.Plan
@@ -93,10 +91,50 @@ class MultiWorkerPlan:
     # Environment variables this process needs before its first all-reduce (tf_nvlink.strategy() exports them).
     process_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """NVML indices of this worker's GPUs."""
+        return self.local.gpus
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """This worker's TensorFlow devices."""
+        return self.local.devices
+
+    @property
+    def fingerprint(self) -> str:
+        """This worker's topology fingerprint."""
+        return self.local.fingerprint
+
+    @property
+    def shape(self) -> str:
+        """The shape of this worker's GPUs (`Topology.kind`)."""
+        return self.local.shape
+
+    @property
+    def on_cpu(self) -> bool:
+        """True when this worker trains on its CPU (no GPU)."""
+        return self.local.on_cpu
+
+    @property
+    def cross_device_ops(self) -> str:
+        """Always "collective": MultiWorkerMirroredStrategy all-reduces with CollectiveAllReduce."""
+        return self.local.cross_device_ops
+
+    @property
+    def xla_allreduce(self) -> str:
+        """Always "split" (see `NVLinkMultiWorkerMirroredStrategy`)."""
+        return self.local.xla_allreduce
+
+    @property
+    def allreduce_dtype(self) -> str:
+        """The gradient all-reduce's dtype ("float32": the knob is single-host only)."""
+        return self.local.allreduce_dtype
+
+    @property
+    def input_buffer(self) -> int:
+        """Batches prefetched per replica (the single-host knob; its default here)."""
+        return self.local.input_buffer
 
     @property
     def num_replicas(self) -> int:
@@ -130,12 +168,12 @@ class MultiWorkerPlan:
         return record
 
 
-class NVLinkMultiWorkerMirroredStrategy(install.PerReplicaXlaStrategyMixin, install.MultiWorkerKerasReduceMixin,
+class NVLinkMultiWorkerMirroredStrategy(base.TfNvlinkStrategyMixin, internals.MultiWorkerKerasReduceMixin,
                                         tf.distribute.MultiWorkerMirroredStrategy):
     """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
-    `fit`/`evaluate` run on several workers (`install.MultiWorkerKerasReduceMixin` says how).
+    `fit`/`evaluate` run on several workers (`internals.MultiWorkerKerasReduceMixin` says how).
 
-    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla/; `build_strategy` puts
+    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink.training.install; `build_strategy` puts
     "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
     in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
     inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers
@@ -143,14 +181,6 @@ class NVLinkMultiWorkerMirroredStrategy(install.PerReplicaXlaStrategyMixin, inst
     refused"), at the first step.
     """
 
-    @property
-    def plan(self) -> Optional[MultiWorkerPlan]:
-        return getattr(self, "_tf_nvlink_plan", None)
-
-
-def strategy_class():
-    """The strategy class `build_strategy` makes (kept for callers of the earlier API)."""
-    return NVLinkMultiWorkerMirroredStrategy
 
 
 def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster_resolver=None,
@@ -228,8 +258,7 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     plan = MultiWorkerPlan(local=local, cluster=cluster, implementation=implementation, implementation_reason=reason,
                            local_gpu_count=local_gpu_count, workers=workers, peer_seconds=peer_seconds,
                            process_env=nccl_env)
-    built._tf_nvlink_plan = plan  # noqa: SLF001
-    install.enable_per_replica_xla()
+    base.attach_plan(built, plan)
     log.info(plan.summary())
     return built, plan
 
@@ -260,7 +289,7 @@ def check_single_host_options(gpus="all", cross_device_ops="auto", num_packs=Non
 
 
 def _check_program_start() -> None:
-    if getattr(context.context(), "_initialized", False):
+    if internals.tensorflow_runtime_started():
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created at program start, before any TensorFlow op runs: this "
             "process has already started TensorFlow's runtime, so the strategy can no longer start this worker's "
@@ -321,14 +350,13 @@ def _share(cluster: ClusterConfig, key: str, value, timeout_s: float):
     """Publish this worker's JSON-able `value` under `key` in the coordination service's key-value store, then
     yield (worker id, value) for every worker in worker-id order (this worker's own without a round trip), each
     waiting up to `timeout_s` for that worker to publish."""
-    ctx = context.context()
-    ctx.set_config_key_value(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
+    internals.coordination_set(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
     for worker_id in range(cluster.worker_count):
         if worker_id == cluster.worker_id:
             yield worker_id, value
         else:
-            yield worker_id, json.loads(ctx.get_config_key_value(f"{_KV_PREFIX}{key}{worker_id}",
-                                                                 int(timeout_s * 1000)))
+            yield worker_id, json.loads(internals.coordination_get(f"{_KV_PREFIX}{key}{worker_id}",
+                                                                   int(timeout_s * 1000)))
 
 
 def _check_agreement(workers: Sequence[Optional[WorkerInfo]]) -> None:

@@ -122,7 +122,9 @@ def _facts(topology: Topology, visible: list[int], tf_section: dict, user_xla_fl
         tf_gpu_count = len(tf_section["gpus"])
         if tf_gpu_count:
             try:
-                nccl = tf_devices.nccl_available()
+                from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow was asked for: it is imported
+
+                nccl = internals.nccl_kernels_registered()
             except ImportError:  # TensorFlow's internals missing: unknown, as without TensorFlow
                 nccl = None
     return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
@@ -168,7 +170,9 @@ def _collect_tf(topology: Topology, environ: Mapping[str, str]) -> dict:
                               "is False): it runs on the CPU only; on Linux, pip install 'tensorflow[and-cuda]'")
         return section
     try:
-        mapped = tf_devices.tf_gpus(topology)
+        from tf_nvlink import internals  # noqa: PLC0415 - imports TensorFlow, which this section asked for
+
+        mapped = tf_devices.map_tf_gpus(topology, internals.tf_gpu_descs())
     except Exception as exc:  # noqa: BLE001 - device_lib can fail on a half-installed CUDA
         section["problem"] = f"TensorFlow could not list its GPUs ({type(exc).__name__}: {exc})"
         return section

@@ -38,11 +38,11 @@ import os
 import threading
 from typing import Any, Callable, Iterable, Optional
 
+from tf_nvlink import internals
+
 ENV_SWITCH = "TF_NVLINK_SYNC_NON_TRAINABLE"
 
 _RECORDING = threading.local()  # each replica runs (and traces) its step in its own thread
-_INSTALL_LOCK = threading.Lock()
-_ORIGINAL_ASSIGN: list[Callable] = []
 
 
 class SynchronizedBatchNormError(ValueError):
@@ -60,23 +60,15 @@ def enabled() -> bool:
                      f"(let each replica keep its own). Received: {ENV_SWITCH}={value!r}")
 
 
+def _note_write(variable) -> None:
+    written = getattr(_RECORDING, "written", None)
+    if written is not None:
+        written[id(variable)] = variable
+
+
 def _install_write_recorder() -> None:
     """Record, per thread, which Keras variables are written while a `_recording()` block is open."""
-    with _INSTALL_LOCK:
-        if _ORIGINAL_ASSIGN:
-            return
-        from keras.src.backend.tensorflow.core import Variable  # noqa: PLC0415
-
-        original = Variable._direct_assign
-
-        def _direct_assign(self, value):
-            written = getattr(_RECORDING, "written", None)
-            if written is not None:
-                written[id(self)] = self
-            return original(self, value)
-
-        _ORIGINAL_ASSIGN.append(original)
-        Variable._direct_assign = _direct_assign
+    internals.report_variable_writes(_note_write)
 
 
 @contextlib.contextmanager

@@ -229,19 +229,17 @@ def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int
     """What Grappler and the partitioner left of the chains, in THIS process: per function (timed, local), the ops
     after optimisation by type and the cross-device transfers of computed tensors (function inputs left out)."""
     tf, strategy, plan, _ = _worker_strategy(candidate, target_spec)
-    from tensorflow.python.eager import context  # noqa: PLC0415 - run metadata is only in the private API
+    from tf_nvlink import internals  # noqa: PLC0415 - run metadata is only in TensorFlow's private API
 
     timed, local, _, _ = _chains(tf, strategy, iters, xla=candidate.name == "xla")
     x, floor = _worker_inputs(tf, strategy, size // DTYPE_BYTES)
     report = {"ok": True, "candidate": candidate.label, "ops": _reported_ops(candidate, plan),
               "n_replicas": strategy.num_replicas_in_sync, "iters": iters, "size_bytes": size}
     for name, fn in (("timed", timed), ("local", local)):
-        context.enable_run_metadata()  # before the first call: the function graphs are recorded as it is built
-        try:
+        # Recording starts before the first call: the function graphs are recorded as it is built.
+        with internals.recorded_run_metadata() as recorded:
             [value.numpy() for value in strategy.experimental_local_results(fn(x, floor))]
-            metadata = context.export_run_metadata()
-        finally:
-            context.disable_run_metadata()
+        metadata = recorded[0]
         op_counts: dict[str, int] = {}
         for function_graph in metadata.function_graphs:
             for node in function_graph.post_optimization_graph.node:
