@@ -19,8 +19,8 @@ from typing import Callable, Optional, Sequence
 from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.plan import step_options
 from tf_nvlink.machine import nvml
-from tf_nvlink.plan.cube_mesh import cube_mesh_order, is_dgx1_like, replica_order  # noqa: F401 (policy.*)
-from tf_nvlink.plan.gpu_request import GpuSpec, auto_gpus, gpu_indices, parse_gpus  # noqa: F401 (policy.*)
+from tf_nvlink.plan.cube_mesh import cube_mesh_order, replica_order
+from tf_nvlink.plan.gpu_request import GpuSpec, gpu_indices, parse_gpus
 from tf_nvlink.machine.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
