@@ -16,24 +16,19 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from tf_nvlink import internals
 from tf_nvlink.distribute import base, multi_worker, rendezvous
+from tf_nvlink.distribute import facts as facts_lib
 from tf_nvlink.machine import cluster_config as cluster_lib
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
-from tf_nvlink.plan import policy, step_options, tune_cache
+from tf_nvlink.plan import policy, step_options
 
 log = logging.getLogger("tf_nvlink")
-
-# What measures the all-reduce candidates for `cross_device_ops="autotune"`: (topology, NVML indices) ->
-# `tune_cache` choice (or None). `tf_nvlink.strategy()` passes `tf_nvlink.tools.tune.autotune_choice`.
-AutotuneChoice = Callable[[Topology, Sequence[int]], object]
-
 
 class NVLinkMirroredStrategy(base.TfNvlinkStrategyMixin, tf.distribute.MirroredStrategy):
     """A `tf.distribute.MirroredStrategy` that knows its plan and runs XLA per replica.
@@ -92,7 +87,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              xla_allreduce: str = "auto", cluster_resolver=None,
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
              input_buffer: Optional[int] = None,
-             autotune_choice: Optional[AutotuneChoice] = None) -> tf.distribute.MirroredStrategy:
+             autotune_choice: Optional[facts_lib.AutotuneChoice] = None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -205,7 +200,7 @@ def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, sin
 
 
 def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST,
-           autotune_choice: Optional[AutotuneChoice] = None):
+           autotune_choice: Optional[facts_lib.AutotuneChoice] = None):
     """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
@@ -224,8 +219,8 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_knobs)
     try:
-        facts = gather_facts(topology, autotune_choice=autotune_choice if ops_name == "autotune" else None,
-                             user_xla_flags=user_xla_flags)
+        facts = facts_lib.gather_facts(topology, autotune_choice=autotune_choice if ops_name == "autotune" else None,
+                                       user_xla_flags=user_xla_flags)
         plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
     except Exception:
         _set_xla_flags(user_xla_flags)  # no strategy: the provisional flags are taken back
@@ -235,7 +230,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     if devices:
         device_names = list(devices)
     elif plan.gpus:
-        device_names = devices_lib.tf_device_for(plan.gpus, _tf_gpus(facts.topology))
+        device_names = devices_lib.tf_device_for(plan.gpus, facts_lib.tensorflow_gpus(facts.topology))
     elif facts.tf_gpu_count and (not facts.topology.gpus or facts.mig):
         # GPUs NVML does not list, or MIG instances (no NVML GPU index names them): TensorFlow's own names
         device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
@@ -245,38 +240,6 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     plan = dataclasses.replace(plan, devices=tuple(device_names))
     apply_xla_flags(plan, user_xla_flags)
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
-
-
-def _tf_gpus(topology: Topology) -> list[devices_lib.TfGpu]:
-    """TensorFlow's GPUs, each with its NVML index (initialises the GPUs)."""
-    return devices_lib.map_tf_gpus(topology, internals.tf_gpu_descs())
-
-
-def gather_facts(topology: Topology, autotune_choice: Optional[AutotuneChoice] = None,
-                 user_xla_flags: Optional[str] = None) -> policy.Facts:
-    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner,
-    the user's `XLA_FLAGS` (default: the current value).
-
-    With `autotune_choice`, a missing tune winner is measured (minutes, in worker processes that need the GPUs'
-    memory: `policy.decide` asks before `_tf_gpus()` initialises them here).
-    """
-    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
-    visible = tuple(devices_lib.visible_nvml_indices(topology))
-    cause = _why_tensorflow_sees_no_gpu(visible) if topology.gpus and not tf_gpu_count else ""
-    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
-        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's, TensorFlow's PCI ids say which
-        # GPUs it sees (this initialises them before an autotune, which only a mixed machine pays).
-        visible = tuple(devices_lib.visible_from_tensorflow(_tf_gpus(topology)))
-
-    def tune_choice(gpus):
-        if autotune_choice is not None:
-            return autotune_choice(topology, gpus)
-        return tune_cache.stored_choice(topology, gpus)
-
-    return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
-                        nccl_available=internals.nccl_kernels_registered(), tune_choice=tune_choice,
-                        mig=tuple(devices_lib.mig_entries()),
-                        user_xla_flags=os.environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags)
 
 
 def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
@@ -337,7 +300,7 @@ def _set_xla_flags(value: str, environ=None) -> None:
 def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_knobs):
     """The XLA flags of the plan NVML alone implies (`policy.decide` without TensorFlow's facts), set before
-    `gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
+    `facts_lib.gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
     again, or takes them back."""
     facts = policy.Facts(topology=topology, visible=tuple(devices_lib.visible_nvml_indices(topology)),
                          user_xla_flags=user_xla_flags)
@@ -346,14 +309,3 @@ def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_p
     except ValueError:
         return  # the final `decide` raises or falls back, and the flags are set then
     apply_xla_flags(early, user_xla_flags)
-
-
-def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
-    if not tf.test.is_built_with_cuda():
-        return "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'"
-    hidden_by = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hidden_by is not None and not visible:
-        return f"CUDA_VISIBLE_DEVICES={hidden_by!r} hides them"
-    return ("TensorFlow could not initialise CUDA; its log above says why: with pip, 'tensorflow[and-cuda]' "
-            "installs the CUDA libraries, and the NVIDIA driver must be new enough for them")
-
