@@ -15,9 +15,9 @@ import time
 import traceback
 from typing import Optional, Sequence
 
+import tf_nvlink
 from tf_nvlink.machine import nvlink_traffic
 
-from tf_nvlink.distribute import single_host
 from tf_nvlink.machine.nvml import NvLinkCounterReader
 from tf_nvlink.tools.allreduce_bench.specs import DTYPE_BYTES, Candidate, parse_candidate, parse_sizes, subtract_local
 from tf_nvlink.util.text import one_line_error
@@ -42,14 +42,14 @@ def _worker_strategy(candidate: Candidate, target_spec: str):
     # "xla": TensorFlow uses its CollectiveAllReduce under XLA whatever the strategy was given; ask for it.
     ops = {"auto": "auto", "xla": "collective"}.get(candidate.name, candidate.name)
     if cpu:
-        strategy = single_host.strategy(
+        strategy = tf_nvlink.strategy(
             cross_device_ops=ops, num_packs=candidate.num_packs,
             devices=[f"/cpu:{i}" for i in range(int(cpu.group(1)))],
             topology=Topology(error="benchmark over logical CPU devices (--devices cpu:N)"))
     else:
-        strategy = single_host.strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
-                                       num_packs=candidate.num_packs)
-    return tf, strategy, single_host.current_plan(), bool(cpu)
+        strategy = tf_nvlink.strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
+                                      num_packs=candidate.num_packs)
+    return tf, strategy, tf_nvlink.current_plan(), bool(cpu)
 
 
 def _chains(tf, strategy, iters: int, xla: bool = False):
