@@ -27,6 +27,8 @@ import tensorflow as tf
 log = logging.getLogger("tf_nvlink")
 
 
+# ==== Keras' trainer and optimizers under per-replica XLA (tf_nvlink.training.per_replica_steps) =============
+
 # Keras versions whose trainer internals tests/training/test_install.py pins (first, last tested minor version).
 TESTED_KERAS = ((3, 12), (3, 15))
 
@@ -377,8 +379,7 @@ def merge_call_explained():
             f"TensorFlow said: {error}") from error
 
 
-# ==== Other Keras/TensorFlow private-API touches, kept here so this module holds every one =================
-# (moved from multi_worker.py and callbacks.py; each says why it is needed)
+# ==== Keras 3 on MultiWorkerMirroredStrategy, and a resumed fit's first epoch ===================================
 
 
 class MultiWorkerKerasReduceMixin:

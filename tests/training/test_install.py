@@ -1,4 +1,4 @@
-"""Per-replica XLA (tf_nvlink/xla/) on 2 logical CPU devices: XLA compiles for the CPU too.
+"""Per-replica XLA (tf_nvlink.training.install) on 2 logical CPU devices: XLA compiles for the CPU too.
 
 Each scenario runs in its own process: TensorFlow fixes its device list at first use and tolerates one
 MirroredStrategy per process. The stock-MirroredStrategy test reproduces TensorFlow's failure, so the passing
@@ -135,7 +135,7 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
 def test_keras_internals_the_hook_relies_on():
-    """Pins what tf_nvlink/xla/ assumes of Keras; a Keras upgrade that changes these fails here first."""
+    """Pins what tf_nvlink.training.install and internals assume of Keras; a Keras upgrade that changes these fails here first."""
     import keras
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.optimizers.base_optimizer import BaseOptimizer

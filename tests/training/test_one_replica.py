@@ -1,4 +1,4 @@
-"""A custom loop's `jit_compile=True` step under `tf_nvlink.strategy()` on ONE GPU (tf_nvlink/xla/).
+"""A custom loop's `jit_compile=True` step under `tf_nvlink.strategy()` on ONE GPU (tf_nvlink.training.install).
 
 On 1x H200 the guide-shaped loop (a jit step calling `optimizer.apply_gradients`, passed to `strategy.run` inside
 a plain tf.function) failed with TensorFlow's "merge_call called while defining a new graph" from the optimizer's

@@ -13,7 +13,7 @@ What tf_nvlink does (on every multi-replica tf_nvlink strategy, in `model.fit`, 
   (one small collective: ResNet-50's 53k BatchNorm statistics are 212 KB), and written back to every replica's
   own copy. Variables nobody writes (a frozen backbone's weights) cost nothing.
 
-Where the all-reduce runs, by mode (see tf_nvlink/xla/ for the modes):
+Where the all-reduce runs, by mode (see tf_nvlink.training.install for the modes):
 - plain (jit_compile=False) and split XLA: after the step, outside XLA, through the plan's cross-device ops;
 - fused XLA (GPUs): inside each replica's XLA program, next to the gradient all-reduce (no merge_call);
 - multi-worker: the same, through MultiWorkerMirroredStrategy's collectives, so every worker agrees too;
@@ -201,7 +201,7 @@ def synced_step(model, step: Callable) -> Callable:
 
 
 def keep_replicas_in_sync(model, step: Callable) -> Callable:
-    """The train step Keras' `_make_function` runs under a tf_nvlink strategy (the hook in tf_nvlink/xla/__init__.py).
+    """The train step Keras' `_make_function` runs under a tf_nvlink strategy (the hook in tf_nvlink.training.install).
 
     `step` is `model.train_step` (plain mode) or a `PerReplicaXlaStep`. Test steps and single-replica
     strategies are returned unchanged. In fused XLA mode the averaging goes inside each replica's XLA program
