@@ -19,7 +19,7 @@ Example:
     >>> result = tune.tune(gpus="0,1")                 # minutes: one worker process per candidate
     >>> result.winner, round(result.score)
     ('nccl:1', 231)
-    >>> tune.stored_choice(tf_nvlink.probe(), (0, 1))  # what "auto" can use from now on
+    >>> tune_cache.stored_choice(tf_nvlink.probe(), (0, 1))  # what "auto" can use from now on
     ('nccl', 1, 'autotuned on this machine: nccl:1 measured fastest ...')
 """
 
