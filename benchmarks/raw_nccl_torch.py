@@ -21,8 +21,8 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tf_nvlink.util import atomic_files  # noqa: E402
 from tf_nvlink.util import json_workers
-# the same size syntax as tf-nvlink bench
-from tf_nvlink.tools.allreduce_bench import format_size, parse_sizes  # noqa: E402
+from tf_nvlink.plan.allreduce_sizes import format_size  # noqa: E402 - the same size syntax as tf-nvlink bench
+from tf_nvlink.tools.allreduce_bench.specs import parse_sizes  # noqa: E402
 
 
 def _rank_main(rank, world, sizes, iters, warmup, port, queue):

@@ -177,24 +177,25 @@ def soak_training(args, rng, out):
 
 
 def valid_cache(path, earlier_key):
-    from tf_nvlink.tools import tune  # noqa: PLC0415 - no TensorFlow
+    from tf_nvlink.plan import tune_cache
+    from tf_nvlink.util.text import strict_loads
 
     with open(path) as f:
-        data = tune.strict_loads(f.read())
-    assert data["format"] == tune.FORMAT_VERSION, data.get("format")
+        data = strict_loads(f.read())
+    assert data["format"] == tune_cache.FORMAT_VERSION, data.get("format")
     for key, record in data["entries"].items():
-        tune.validate_record(record)
-        assert key == tune.make_key(record["fingerprint"], record["tf_version"], record["gpus"]), key
+        tune_cache.validate_record(record)
+        assert key == tune_cache.make_key(record["fingerprint"], record["tf_version"], record["gpus"]), key
     assert earlier_key in data["entries"], "the earlier entry was lost"
     return set(data["entries"])
 
 
 def soak_tune(args, rng, out):
-    from tf_nvlink.tools import tune  # noqa: PLC0415
+    from tf_nvlink.plan import tune_cache
 
     cache_dir = os.path.join(out, "tune_cache")
     os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, tune.CACHE_FILE)
+    path = os.path.join(cache_dir, tune_cache.CACHE_FILE)
     earlier = {"fingerprint": "000000000000", "tf_version": "0.0.0", "gpus": [0, 1], "candidate": "nccl:1",
                "cross_device_ops": "nccl", "num_packs": 1, "score": 1.0, "sizes": [1024], "scores": {"nccl:1": 1.0},
                "n_replicas": 2, "measured_at": "2026-01-01T00:00:00+00:00"}
@@ -207,7 +208,7 @@ def soak_tune(args, rng, out):
     problems, stored, kept_old = [], 0, 0
     for kill in range(args.tune_kills):
         os.unlink(path)
-        earlier_key = tune.store(earlier, path)
+        earlier_key = tune_cache.store(earlier, path)
         log_path = os.path.join(out, f"tune_{kill:03d}.log")
         if kill % 2 == 0:  # inside the write: the lock file appears when store() starts; kill 0-20 ms later
             os.unlink(path + ".lock")

@@ -47,7 +47,8 @@ from tf_nvlink.util import atomic_files
 from tf_nvlink.training import callbacks as safe_callbacks
 from tf_nvlink.tools import digits_data
 from tf_nvlink.tools.training_bench import models
-from tf_nvlink.distribute import multi_worker
+from tf_nvlink.distribute import multi_worker, rendezvous
+from tf_nvlink.machine import cluster_config
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
 
@@ -65,7 +66,7 @@ _DATASET = flags.DEFINE_enum(
     "'mnist' (Keras cache or download), 'digits' (offline UCI digits shipped with tf_nvlink), or 'auto' "
     "(MNIST if cached or downloadable within a few seconds, else digits). Every worker must load the same one.")
 _PEER_TIMEOUT = flags.DEFINE_float(
-    "peer_timeout", multi_worker.DEFAULT_PEER_TIMEOUT_S,
+    "peer_timeout", rendezvous.DEFAULT_PEER_TIMEOUT_S,
     "Seconds to wait for every other worker in TF_CONFIG to accept connections before giving up.", lower_bound=0.1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weight initialisation and shuffling (the same on every worker).")
 
@@ -74,9 +75,9 @@ def make_strategy(peer_timeout_s):
     """The strategy, built before any other TensorFlow op (MultiWorkerMirroredStrategy must be); prints its plan."""
     try:
         strategy = tf_nvlink.strategy(peer_timeout_s=peer_timeout_s)  # reads TF_CONFIG
-    except multi_worker.TfConfigError as error:
+    except cluster_config.TfConfigError as error:
         raise app.UsageError(str(error)) from error
-    except multi_worker.PeerUnreachableError as error:
+    except rendezvous.PeerUnreachableError as error:
         sys.exit(f"multi_worker.py: {error}")
     print(strategy.plan.summary(), flush=True)
     return strategy

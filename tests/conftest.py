@@ -49,34 +49,17 @@ def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):
 FUSED_CPU_EMULATION = r'''
 def fused_strategy_emulated_on_cpu(devices=("/cpu:0", "/cpu:1")):
     """A tf_nvlink strategy in fused XLA mode on CPU replicas, without XLA itself (XLA on CPU cannot compile
-    collectives): TensorFlow's no-merge_call path, which it takes under XLA on all-GPU replicas, is switched on,
-    and the per-replica functions (fit's PerReplicaXlaStep, custom loops' PerReplicaCustomStep) are built exactly
-    as in fused mode but without jit. Call it once per process, before building models."""
+    collectives): `internals.emulate_fused_mode_on_cpu()` switches on TensorFlow's no-merge_call path, which it
+    takes under XLA on all-GPU replicas, and the per-replica functions (fit's PerReplicaXlaStep, custom loops'
+    PerReplicaCustomStep) are built exactly as in fused mode but without jit. Call it once per process, before
+    building models."""
     import dataclasses
-    import tensorflow as tf
-    from tensorflow.python.distribute import mirrored_strategy
     import tf_nvlink
-    from tf_nvlink.training import install
+    from tf_nvlink import internals
+    from tf_nvlink.distribute import base
 
-    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
-    install.internals.fused_allreduce_possible = lambda strategy: True
-
-    def fit_step_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                fn = self._fused_body() if self.kind == "train" else self.step_function
-                self._compiled[replica_id] = tf.function(fn, autograph=False)
-            return self._compiled[replica_id]
-
-    def custom_step_without_jit(self, replica_id):
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self._body(replica_id), autograph=self.autograph)
-            return self._compiled[replica_id]
-
-    install.PerReplicaXlaStep._compiled_for = fit_step_without_jit
-    install.PerReplicaCustomStep._compiled_for = custom_step_without_jit
+    internals.emulate_fused_mode_on_cpu()
     strategy = tf_nvlink.strategy(devices=list(devices), cross_device_ops="collective")
-    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="fused")
+    base.attach_plan(strategy, dataclasses.replace(strategy.plan, xla_allreduce="fused"))
     return strategy
 '''

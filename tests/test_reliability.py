@@ -37,8 +37,8 @@ from tf_nvlink.machine import cluster_config
 from tf_nvlink.tools import digits_data
 from tf_nvlink.machine import nvml
 from tf_nvlink.plan import policy
-from tf_nvlink.tools import tune
 from tf_nvlink.plan import tune_cache
+from tf_nvlink.util.text import strict_loads
 from tf_nvlink.machine.topology import Topology
 
 MNIST_MLP = str(ROOT / "examples" / "mnist_mlp.py")
@@ -124,7 +124,7 @@ OTHER_INPUTS = [  # (id, call, needles)
     ("dataset timeout", lambda: digits_data.load_mnist_or_fallback("auto", timeout=-1),
      ("timeout=-1", "positive number")),
     ("test fraction", lambda: digits_data.load_digits(test_fraction=1.5), ("test_fraction=1.5", "between 0 and 1")),
-    ("tune gpus", lambda: tune.gpus_key("0,x"), ("'0,x'", "'cpu:N'")),
+    ("tune gpus", lambda: tune_cache.gpus_key("0,x"), ("'0,x'", "'cpu:N'")),
 ]
 
 
@@ -581,7 +581,8 @@ BACKUP_SCRIPT = textwrap.dedent("""
     from tf_nvlink.training import callbacks
 
     from tf_nvlink.tools.training_bench import models
-    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
+    from tf_nvlink.util.text import strict_loads
     from tf_nvlink.plan import tune_cache
     backup = {backup!r}
     x = np.random.default_rng(0).random((64, 784)).astype("float32")
@@ -703,14 +704,14 @@ def test_file_modes(tmp_path, umask):
     """The cache is user-only whatever the umask; write_atomic(mode=None) honours the umask like open()."""
     old = os.umask(umask)
     try:
-        key = tune.store(_record(), path=str(tmp_path / "cache" / "autotune.json"))
+        key = tune_cache.store(_record(), path=str(tmp_path / "cache" / "autotune.json"))
         atomic_files.write_atomic(str(tmp_path / "shared.json"), "{}\n", mode=None)
         with atomic_files.atomic_path(str(tmp_path / "model.keras"), suffix=".keras") as partial:
             assert partial.endswith(".keras") and Path(partial).name.startswith(".model.keras.")
             Path(partial).write_bytes(b"zip")
     finally:
         os.umask(old)
-    assert key in tune.entries(str(tmp_path / "cache" / "autotune.json"))
+    assert key in tune_cache.entries(str(tmp_path / "cache" / "autotune.json"))
     assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / "cache" / "autotune.json").stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "cache" / "autotune.json.lock").stat().st_mode) & 0o077 == 0
@@ -845,19 +846,19 @@ STRICT_JSON = ["NaN", "[Infinity]", '{"a": -Infinity}', "1e999", '{"a": 1, "a": 
 @pytest.mark.parametrize("text", STRICT_JSON)
 def test_cache_json_is_parsed_strictly(text):
     with pytest.raises(ValueError):
-        tune.strict_loads(text)
+        strict_loads(text)
 
 
 def test_corrupt_cache_is_ignored_with_one_warning_and_replaced(tmp_path, caplog):
     path = tmp_path / "autotune.json"
     path.write_text('{"format": 1, "entries": {"k": {"score": NaN}}}')
     with caplog.at_level("WARNING", logger="tf_nvlink"):
-        assert tune.entries(str(path)) == {}
-        assert tune.entries(str(path)) == {}  # the same bad file warns once
+        assert tune_cache.entries(str(path)) == {}
+        assert tune_cache.entries(str(path)) == {}  # the same bad file warns once
     assert len([r for r in caplog.records if r.name == "tf_nvlink"]) == 1
     assert "NaN is not valid JSON" in caplog.text and str(path) in caplog.text
-    tune.store(_record(), path=str(path))
-    assert len(tune.entries(str(path))) == 1
+    tune_cache.store(_record(), path=str(path))
+    assert len(tune_cache.entries(str(path))) == 1
 
 
 def test_topology_error_stays_one_line():

@@ -17,6 +17,8 @@ from tf_nvlink.machine import nvml
 
 
 from tf_nvlink.plan import policy
+from tf_nvlink.plan import cube_mesh
+from tf_nvlink.plan import gpu_request
 def topo_of(name):
     return nvml.probe(FakeNvml(fake_nvml.MACHINES[name]()))
 
@@ -62,9 +64,9 @@ def test_item1_hierarchical_halves_are_the_nvlink_quads(request_kind, gpus, visi
 
 def test_item1_cube_mesh_order_of_the_dgx1():
     topo = topo_of(DGX1)
-    assert policy.cube_mesh_order(topo, [0, 4, 1, 5, 2, 6, 3, 7]) == (0, 1, 2, 3, 4, 5, 6, 7)
-    assert policy.cube_mesh_order(topo, QUADS_FIRST[:4]) is None
-    assert policy.replica_order(topo, (0, 4, 1, 5, 2, 6, 3, 7), "nccl") == (0, 4, 1, 5, 2, 6, 3, 7)  # kept
+    assert cube_mesh.cube_mesh_order(topo, [0, 4, 1, 5, 2, 6, 3, 7]) == (0, 1, 2, 3, 4, 5, 6, 7)
+    assert cube_mesh.cube_mesh_order(topo, QUADS_FIRST[:4]) is None
+    assert cube_mesh.replica_order(topo, (0, 4, 1, 5, 2, 6, 3, 7), "nccl") == (0, 4, 1, 5, 2, 6, 3, 7)  # kept
 
 
 # Every GPU has exactly 4 NVLink peers, yet there is no quad (4 GPUs all linked): circulant C8(1, 2), and the
@@ -79,7 +81,7 @@ SQUARES = {tuple(sorted(e)): c for e, c in SQUARES.items()}
 def test_item2_four_peers_without_quads_is_not_hierarchical(edges):
     topo = mesh_of(edges)
     assert all(sum(1 for b in range(8) if b != a and topo.pair(a, b).direct_links) == 4 for a in range(8))
-    assert not policy.is_dgx1_like(topo, range(8))
+    assert not cube_mesh.is_dgx1_like(topo, range(8))
     plan = policy.make_plan(topo, "all")
     assert plan.shape == "nvlink-partial" and plan.cross_device_ops == "nccl", plan.summary()
 
@@ -172,7 +174,7 @@ def test_items4_5_decide_plans_mig_and_names_why_explicit_gpus_cannot_be_honoure
 @pytest.mark.parametrize("gpus", [[-1], "-1", (0, -2)], ids=repr)
 def test_item6_gpu_indices_refuses_negative_indices(gpus):
     with pytest.raises(ValueError, match=r"Received: .* in gpus="):
-        policy.gpu_indices(gpus, (0, 1))
+        gpu_request.gpu_indices(gpus, (0, 1))
 
 
 # The strategy glue (tf_nvlink.distribute.single_host), one subprocess: what TensorFlow sees is faked as in test_reliability.
@@ -183,7 +185,7 @@ STRATEGY_SCRIPT = textwrap.dedent("""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import fake_nvml, test_reliability_round2 as round2
-    from tf_nvlink.machine import tf_devices
+    from tf_nvlink import internals
 
     from tf_nvlink.machine import nvml
     from tf_nvlink.distribute import single_host
@@ -209,7 +211,7 @@ STRATEGY_SCRIPT = textwrap.dedent("""
             if kind == "GPU" else real_list_physical(kind))
         tf.config.list_logical_devices = lambda kind=None: (
             real_list_logical("CPU")[:tf_gpus] if kind == "GPU" else real_list_logical(kind))
-        tf_devices.tf_gpu_descs = lambda: [tuple(d) for d in case.get("descs", [])]
+        internals.tf_gpu_descs = lambda: [tuple(d) for d in case.get("descs", [])]
         try:
             if case.get("call") == "strategy":
                 kwargs = dict(case["kwargs"])
@@ -301,8 +303,9 @@ def test_item6_strategy_arguments_validated_up_front(strategy_results, name, nee
 
 # ================================================================== item 7: no measurement lost to an unusable output
 def fake_measure(calls, before_return=None):
-    """allreduce_bench.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
-    from tf_nvlink.tools import allreduce_bench
+    """runner.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
+    from tf_nvlink.tools.allreduce_bench import runner
+    from tf_nvlink.tools.allreduce_bench import specs
 
     def measure(candidates, target, sizes, **_):
         calls.append(list(sizes))
@@ -310,7 +313,7 @@ def fake_measure(calls, before_return=None):
             before_return()
         output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
                   "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
-        return allreduce_bench.to_records(output, allreduce_bench.parse_candidate("reduce_to_one"), target), []
+        return runner.to_records(output, specs.parse_candidate("reduce_to_one"), target), []
     return measure
 
 
@@ -319,15 +322,15 @@ BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", 
 
 @pytest.mark.parametrize("where", ["under a file", "missing folder", "a folder"])
 def test_item7_bench_json_unusable_path_refused_before_measuring(tmp_path, monkeypatch, capsys, where):
-    from tf_nvlink.tools import allreduce_bench
+    from tf_nvlink.tools.allreduce_bench import cli
 
     (tmp_path / "file").write_text("x")
     path = {"under a file": tmp_path / "file" / "out.json", "missing folder": tmp_path / "nope" / "out.json",
             "a folder": tmp_path}[where]
     calls = []
-    monkeypatch.setattr(allreduce_bench.cli, "measure", fake_measure(calls))  # what `tf-nvlink bench` runs
+    monkeypatch.setattr(cli, "measure", fake_measure(calls))  # what `tf-nvlink bench` runs
     with pytest.raises(SystemExit) as info:
-        allreduce_bench.main(BENCH_ARGS + ["--json", str(path)])
+        cli.main(BENCH_ARGS + ["--json", str(path)])
     assert info.value.code == 2 and calls == []  # refused before measuring
     err = capsys.readouterr().err
     assert f"--json {str(path)!r} cannot be written" in err and "Traceback" not in err, err
@@ -335,13 +338,13 @@ def test_item7_bench_json_unusable_path_refused_before_measuring(tmp_path, monke
 
 def test_item7_bench_json_write_failing_after_measuring_prints_the_records(tmp_path, monkeypatch, capsys):
     import shutil
-    from tf_nvlink.tools import allreduce_bench
+    from tf_nvlink.tools.allreduce_bench import cli
 
     folder = tmp_path / "out"
     folder.mkdir()
     calls = []
-    monkeypatch.setattr(allreduce_bench.cli, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
-    code = allreduce_bench.main(BENCH_ARGS + ["--json", str(folder / "records.json")])
+    monkeypatch.setattr(cli, "measure", fake_measure(calls, before_return=lambda: shutil.rmtree(folder)))
+    code = cli.main(BENCH_ARGS + ["--json", str(folder / "records.json")])
     out, err = capsys.readouterr()
     assert code == 1 and calls == [[1024]]
     assert '"label": "reduce_to_one"' in out and "could not write --json" in err, (out, err)
@@ -349,13 +352,13 @@ def test_item7_bench_json_write_failing_after_measuring_prints_the_records(tmp_p
 
 
 def test_item7_tune_unusable_cache_refused_before_measuring(tmp_path, monkeypatch, capsys):
-    from tf_nvlink.tools import allreduce_bench
+    from tf_nvlink.tools.allreduce_bench import runner
 
     from tf_nvlink.tools import tune
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(tmp_path / "file" / "cache"))
     calls = []
-    monkeypatch.setattr(allreduce_bench, "measure", fake_measure(calls))
+    monkeypatch.setattr(runner, "measure", fake_measure(calls))
     with pytest.raises(SystemExit) as info:
         tune.main(BENCH_ARGS)
     err = capsys.readouterr().err
@@ -365,7 +368,7 @@ def test_item7_tune_unusable_cache_refused_before_measuring(tmp_path, monkeypatc
 
 def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, monkeypatch, capsys):
     import shutil
-    from tf_nvlink.tools import allreduce_bench
+    from tf_nvlink.tools.allreduce_bench import runner
 
     from tf_nvlink.tools import tune
     cache = tmp_path / "cache"
@@ -375,7 +378,7 @@ def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, mo
         shutil.rmtree(cache)
         cache.write_text("not a folder")
     calls = []
-    monkeypatch.setattr(allreduce_bench, "measure", fake_measure(calls, before_return=break_the_cache))
+    monkeypatch.setattr(runner, "measure", fake_measure(calls, before_return=break_the_cache))
     code = tune.main(BENCH_ARGS)
     out, err = capsys.readouterr()
     assert code == 1 and calls == [[1024]]
@@ -385,11 +388,11 @@ def test_item7_tune_store_failing_after_measuring_prints_the_result(tmp_path, mo
 # ================================================================== item 8: bench sizes bounded, records validated
 @pytest.mark.parametrize("text", ["99999999999G", "17G", "20000000000"])
 def test_item8_sizes_are_bounded(text):
-    from tf_nvlink.tools import allreduce_bench
+    from tf_nvlink.tools.allreduce_bench import specs
 
-    with pytest.raises(allreduce_bench.BenchError, match=r"at most 16G.*Received: '" + text):
-        allreduce_bench.parse_size(text)
-    assert allreduce_bench.parse_size("16G") == 16 * 2**30
+    with pytest.raises(specs.BenchError, match=r"at most 16G.*Received: '" + text):
+        specs.parse_size(text)
+    assert specs.parse_size("16G") == 16 * 2**30
 
 
 GOOD_RECORD = {"label": "nccl:1", "candidate": "nccl:1", "variant": "", "size_bytes": 1024, "status": "ok",
@@ -402,49 +405,49 @@ GOOD_RECORD = {"label": "nccl:1", "candidate": "nccl:1", "variant": "", "size_by
     ({"variant": None}, "variant=None"),
 ])
 def test_item8_from_json_malformed_record_is_a_clear_error(tmp_path, capsys, change, needle):
-    from tf_nvlink.tools import allreduce_bench
+    from tf_nvlink.tools.allreduce_bench import cli
 
     path = tmp_path / "records.json"
     path.write_text(json.dumps([GOOD_RECORD, dict(GOOD_RECORD, **change)]))
     with pytest.raises(SystemExit) as info:
-        allreduce_bench.main(["--from_json", str(path)])
+        cli.main(["--from_json", str(path)])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "record 1" in err and needle in err and "Traceback" not in err, err
     path.write_text(json.dumps([GOOD_RECORD]))
-    assert allreduce_bench.main(["--from_json", str(path)]) == 0
+    assert cli.main(["--from_json", str(path)]) == 0
 
 
 # ================================================================== item 9: cache hardening
 def tune_record(**changes):
-    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
 
     record = {"fingerprint": "abc123abc123", "tf_version": "2.21.0", "gpus": [0, 1], "candidate": "nccl:1",
               "cross_device_ops": "nccl", "num_packs": 1, "score": 200.0, "sizes": [16 * 2**20],
               "scores": {"nccl:1": 200.0}, "n_replicas": 2, "measured_at": "2026-11-30T00:00:00+00:00"}
     record.update(changes)
-    return record, tune.make_key(record["fingerprint"], record["tf_version"], record["gpus"])
+    return record, tune_cache.make_key(record["fingerprint"], record["tf_version"], record["gpus"])
 
 
 def test_item9_lock_file_is_not_followed_through_a_symlink(tmp_path):
-    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
 
     path = tmp_path / "autotune.json"
     elsewhere = tmp_path / "elsewhere"
     (tmp_path / "autotune.json.lock").symlink_to(elsewhere)  # dangling
-    with pytest.raises(tune.CacheError, match="symbolic link"):
-        tune.store(tune_record()[0], str(path))
+    with pytest.raises(tune_cache.CacheError, match="symbolic link"):
+        tune_cache.store(tune_record()[0], str(path))
     assert not elsewhere.exists()
 
 
 def test_item9_fifo_at_the_cache_path_is_refused_not_waited_on(tmp_path, caplog):
     import os
     import threading
-    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
 
     path = tmp_path / "autotune.json"
     os.mkfifo(path)
     result = {}
-    reader = threading.Thread(target=lambda: result.update(entries=tune.entries(str(path))), daemon=True)
+    reader = threading.Thread(target=lambda: result.update(entries=tune_cache.entries(str(path))), daemon=True)
     reader.start()
     reader.join(10)
     assert not reader.is_alive(), "reading a FIFO cache blocked"
@@ -455,26 +458,26 @@ def test_item9_fifo_at_the_cache_path_is_refused_not_waited_on(tmp_path, caplog)
                                     {"score": 1e300}, {"scores": {"nccl:1": 1e300}}, {"gpus": [0, 10**9]}],
                          ids=lambda c: next(iter(c)))
 def test_item9_hand_edited_entries_out_of_range_are_ignored(tmp_path, change):
-    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
 
     path = tmp_path / "autotune.json"
     good, good_key = tune_record()
     bad, bad_key = tune_record(**change)
     if bad_key == good_key:
         bad, bad_key = tune_record(**change, tf_version="2.20.0")
-    path.write_text(json.dumps({"format": tune.FORMAT_VERSION, "entries": {good_key: good, bad_key: bad}}))
-    assert set(tune.entries(str(path))) == {good_key}
+    path.write_text(json.dumps({"format": tune_cache.FORMAT_VERSION, "entries": {good_key: good, bad_key: bad}}))
+    assert set(tune_cache.entries(str(path))) == {good_key}
 
 
 @pytest.mark.parametrize("xdg, expected", [("relative/cache", "~/.cache/tf_nvlink"), ("", "~/.cache/tf_nvlink"),
                                            ("/abs/cache", "/abs/cache/tf_nvlink")])
 def test_item9_relative_xdg_cache_home_is_ignored(monkeypatch, xdg, expected):
     import os
-    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
 
     monkeypatch.delenv("TF_NVLINK_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-    assert tune.cache_dir() == os.path.expanduser(expected)
+    assert tune_cache.cache_dir() == os.path.expanduser(expected)
 
 
 # ================================================================== item 11: the benchmark example without a GPU

@@ -19,16 +19,23 @@ __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
-    """The tf.distribute strategy for this machine; see `tf_nvlink.distribute.single_host.strategy` for every argument.
+    """The tf.distribute strategy for this machine, with tf_nvlink's training hooks installed (per-replica XLA,
+    BatchNorm statistics in sync); see `tf_nvlink.distribute.single_host.strategy` for every argument.
 
     Example:
         >>> import tf_nvlink
         >>> with tf_nvlink.strategy(gpus="auto").scope():
         ...     model = build_model()
     """
-    from tf_nvlink.distribute import single_host  # TensorFlow is imported here, not at `import tf_nvlink`
+    # TensorFlow is imported here, not at `import tf_nvlink`.
+    from tf_nvlink.distribute import single_host  # noqa: PLC0415
+    from tf_nvlink.tools import tune  # noqa: PLC0415
+    from tf_nvlink.training import install  # noqa: PLC0415
 
-    return single_host.strategy(gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, **kwargs)
+    built = single_host.strategy(gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs,
+                                 autotune_choice=tune.autotune_choice, **kwargs)
+    install.install_training_hooks(built)
+    return built
 
 
 def current_plan():

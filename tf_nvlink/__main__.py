@@ -17,7 +17,7 @@ import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import tf_nvlink
-from tf_nvlink.tools import allreduce_bench
+from tf_nvlink.tools.allreduce_bench import cli
 
 
 from tf_nvlink.tools import report
@@ -31,7 +31,7 @@ class Subcommand(NamedTuple):
 # name -> Subcommand; the first one is what a bare `tf-nvlink` (or `tf-nvlink --json`) runs.
 SUBCOMMANDS: dict[str, Subcommand] = {
     "report": Subcommand(report.HELP, report.add_arguments, report.run),
-    "bench": Subcommand(allreduce_bench.HELP, allreduce_bench.add_arguments, allreduce_bench.run),
+    "bench": Subcommand(cli.HELP, cli.add_arguments, cli.run),
     "tune": Subcommand(tune.HELP, tune.add_arguments, tune.run),
 }
 DEFAULT_SUBCOMMAND = "report"

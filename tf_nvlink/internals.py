@@ -1,6 +1,17 @@
-"""Every Keras/TensorFlow private-API touch of tf_nvlink's per-replica XLA, each with its reason, and the one
-object holding what was changed (`_STATE`, a `HookState`; `reset_hooks_for_tests()` puts Keras back).
-The trainer hooks that use these live in `tf_nvlink.training.install` (the package), the per-replica steps in `steps.py`.
+"""Every private Keras/TensorFlow touch of tf_nvlink (`keras.src`, `tensorflow.python`, private attributes), in
+this one module, each with what it touches, the versions checked and why it exists.
+
+Versions checked: Keras 3.12 to 3.15.1 (`TESTED_KERAS`, setup.cfg's range) and TensorFlow 2.16 to 2.21, unless a
+note says otherwise; tests/training/test_install.py and test_replica_sync.py pin the Keras source these rely on.
+Nothing else in tf_nvlink/ may touch a private name (tests/test_private_api.py checks it). The callers pass
+their own logic in (the trainer hooks' step builder, the "is this a tf_nvlink strategy" check), so this module
+imports nothing of tf_nvlink's above it. What was changed in Keras is held in `_STATE`, a `HookState`
+(`reset_hooks_for_tests()` puts Keras back).
+
+Example:
+    >>> from tf_nvlink import internals
+    >>> internals.check_keras_support() is None      # this Keras has the trainer internals tf_nvlink hooks
+    True
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ import tensorflow as tf
 log = logging.getLogger("tf_nvlink")
 
 
+# ==== Keras' trainer and optimizers under per-replica XLA (tf_nvlink.training.per_replica_steps) =============
+
 # Keras versions whose trainer internals tests/training/test_install.py pins (first, last tested minor version).
 TESTED_KERAS = ((3, 12), (3, 15))
 
@@ -24,8 +37,8 @@ TESTED_KERAS = ((3, 12), (3, 15))
 class HookState:
     """Everything this module changes in Keras, in one place (the module's only state).
 
-    originals: Keras' own functions, by "method" (TensorFlowTrainer's) or "Class.method" (an optimizer's), while
-        the hooks are installed; empty when they are not.
+    originals: Keras' own functions, by "method" (TensorFlowTrainer's) or "Class.method" (an optimizer's, the
+        TensorFlow optimizer's gradient all-reduce, the Variable write), while replaced; empty when none is.
     problem: why the last `enable_per_replica_xla()` could not install them (None: installed, or never tried).
     Tests put Keras back with `reset_hooks_for_tests()`.
     """
@@ -33,6 +46,10 @@ class HookState:
     originals: dict[str, Callable] = dataclasses.field(default_factory=dict)
     problem: str | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # The caller's "is this a tf_nvlink strategy" check (distribute.base.is_tf_nvlink_strategy), given at install.
+    is_ours: Callable[[object], bool] = lambda strategy: False
+    # Tests only (`emulate_fused_mode_on_cpu`): per-replica steps compile without XLA, fused mode on CPU replicas.
+    fused_emulated_on_cpu: bool = False
 
 
 _STATE = HookState()
@@ -42,6 +59,11 @@ def reset_hooks_for_tests() -> None:
     """Restore Keras' own methods and forget any install problem, as in a fresh process."""
     uninstall_keras_hooks()
     _STATE.problem = None
+
+
+def keras_hook_problem() -> str | None:
+    """Why the trainer hooks could not be installed (None: installed, or never tried)."""
+    return _STATE.problem
 
 
 class UnsupportedKerasError(RuntimeError):
@@ -76,10 +98,12 @@ def uninstall_keras_hooks() -> None:
     """Restore Keras' own trainer methods (tests use this to show what the hooks fix)."""
     with _STATE.lock:
         trainer = _keras_trainer_class()
-        for name, original in _STATE.originals.items():
+        for name, original in list(_STATE.originals.items()):
             owner, _, attribute = name.rpartition(".")
+            if owner and owner not in _OPTIMIZER_CLASSES:
+                continue  # the gradient all-reduce and the write recorder have their own restore
             setattr(_OPTIMIZER_CLASSES[owner]() if owner else trainer, attribute, original)
-        _STATE.originals.clear()
+            del _STATE.originals[name]
 
 
 def fully_built(model) -> bool:
@@ -93,12 +117,15 @@ def fully_built(model) -> bool:
 
 def fused_allreduce_possible(strategy) -> bool:
     """True when every replica is a GPU: there MirroredStrategy all-reduces inside XLA (CollectiveAllReduce
-    compiled to an XLA all-reduce over NCCL) and applies updates per replica without merge_call."""
+    compiled to an XLA all-reduce over NCCL) and applies updates per replica without merge_call.
+    (True on any device while `emulate_fused_mode_on_cpu` is on.)"""
+    if _STATE.fused_emulated_on_cpu:
+        return True
     devices = getattr(strategy.extended, "worker_devices", ())
     return bool(devices) and all("GPU" in d.upper() for d in devices)
 
 
-def _only_first_replica_variables(optimizer) -> list:
+def only_first_replica_variables(optimizer) -> list:
     """The optimizer's step counters (aggregation ONLY_FIRST_REPLICA: `iterations`, loss-scale counters)."""
     if optimizer is None:
         return []
@@ -106,7 +133,7 @@ def _only_first_replica_variables(optimizer) -> list:
 
 
 @contextlib.contextmanager
-def _replica_local(variables):
+def replica_local(variables):
     """While tracing one replica's fused step, point ONLY_FIRST_REPLICA variables at that replica's own copy.
 
     TensorFlow broadcasts replica 0's value for such variables with a `merge_call`, even in its no-merge-call
@@ -127,7 +154,8 @@ def _replica_local(variables):
             variable._value = mirrored
 
 
-def _replica_id() -> int:
+def replica_id() -> int:
+    """The replica the calling code runs for (0 outside a replica context)."""
     context = tf.distribute.get_replica_context()
     replica_id = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
     return int(replica_id or 0)
@@ -171,7 +199,7 @@ def _install_optimizer_hooks() -> None:
                 return None
             _TRACING.depth = 1
             try:
-                with _replica_local(_only_first_replica_variables(self)), _agreed_finite_check(self):
+                with replica_local(only_first_replica_variables(self)), _agreed_finite_check(self):
                     return _original(self, dense_gradients_in_xla(grads), trainable_variables)
             finally:
                 _TRACING.depth = 0
@@ -210,7 +238,7 @@ def build_optimizer(optimizer, variables: list) -> None:
 
 
 @contextlib.contextmanager
-def _optimizer_calls(mode: str):
+def optimizer_calls(mode: str):
     """While tracing one replica's copy of a custom-loop step: "catch" records every outermost
     `optimizer.apply(grads, variables)` instead of running it (split mode, the update runs after XLA);
     "replica_local" runs it with the optimizer's step counters kept per replica (fused mode)."""
@@ -228,13 +256,27 @@ def dense_gradients_in_xla(grads):
     An all-reduce of IndexedSlices is an all-gather (CollectiveGatherV2), which XLA cannot compile: on 1x H200 a
     Transformer LM's jit-compiled fit under a one-GPU tf_nvlink strategy failed with "No registered
     'CollectiveGatherV2' OpKernel for XLA_GPU_JIT". A dense all-reduce is what XLA compiles (and combines)."""
-    if not _in_xla_context():
+    if not in_xla_context():
         return grads
     return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
+def optimizer_strategy(optimizer):
+    """The distribution strategy a Keras optimizer was created under (None: none recorded).
+
+    Touches `optimizer._distribution_strategy`, which Keras' TensorFlow optimizer sets in `__init__`; no public
+    accessor exists."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables a built Keras optimizer updates when `apply(grads)` gets none (`optimizer._trainable_variables`,
+    set by `BaseOptimizer.build`; no public accessor exists)."""
+    return list(optimizer._trainable_variables)
+
+
 def _under_tf_nvlink(optimizer) -> bool:
-    return hasattr(getattr(optimizer, "_distribution_strategy", None), "_tf_nvlink_plan")
+    return _STATE.is_ours(optimizer_strategy(optimizer))
 
 
 @contextlib.contextmanager
@@ -310,7 +352,7 @@ def unrolled_steps_function(model, step_function):
     return function
 
 
-def _in_xla_context() -> bool:
+def in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
 
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
@@ -321,7 +363,7 @@ class CrossReplicaCallInXlaError(ValueError):
 
 
 @contextlib.contextmanager
-def _merge_call_explained():
+def merge_call_explained():
     """TensorFlow's "merge_call called while defining a new graph" in a split-mode step, said in tf_nvlink's terms."""
     try:
         yield
@@ -337,8 +379,7 @@ def _merge_call_explained():
             f"TensorFlow said: {error}") from error
 
 
-# ==== Other Keras/TensorFlow private-API touches, kept here so this module holds every one =================
-# (moved from multi_worker.py and callbacks.py; each says why it is needed)
+# ==== Keras 3 on MultiWorkerMirroredStrategy, and a resumed fit's first epoch ===================================
 
 
 class MultiWorkerKerasReduceMixin:
@@ -374,6 +415,315 @@ def set_initial_epoch(model, epoch: int) -> None:
     `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
     """
     model._initial_epoch = epoch  # noqa: SLF001
+
+
+# ==== Keras' TensorFlowTrainer (the trainer hooks of tf_nvlink.training.install) ===============================
+
+
+def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Callable) -> str | None:
+    """Replace Keras' trainer methods once; returns None when installed (or already), else why not (and nothing
+    is changed). Models whose strategy `is_ours` rejects run Keras' own code.
+
+    Touches (TensorFlowTrainer's, replaced on the class; the originals are kept in `_STATE.originals`):
+    - `_make_function`: calls `make_function(model, step_function, keras_make_function)`, where
+      `keras_make_function(step, outer_jit=True)` is Keras' own, with the model's `_jit_compile` off around it
+      when `outer_jit` is False (the function spanning the replicas must not be one XLA cluster).
+    - `_resolve_auto_jit_compile`: Keras turns "auto" XLA off under any strategy ("Disable XLA with
+      tf.distribute"); under ours it is Keras' rule without a strategy (`model_supports_jit`, with a GPU).
+    - `_maybe_symbolic_build` (where it exists): skipped once the model is fully built (`fully_built`): Keras
+      makes a distributed iterator at every fit/evaluate only to build nothing (about 100 ms per call on a CPU).
+    - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (`_install_optimizer_hooks`).
+    """
+    with _STATE.lock:
+        if "_make_function" in _STATE.originals:
+            return None
+        problem = check_keras_support()
+        if problem:
+            return problem
+        _STATE.is_ours = is_ours
+        trainer = _keras_trainer_class()
+        keras_make = _STATE.originals["_make_function"] = trainer._make_function
+        keras_resolve = _STATE.originals["_resolve_auto_jit_compile"] = trainer._resolve_auto_jit_compile
+
+        def _make_function(self, step_function):
+            if not is_ours(self.distribute_strategy):
+                return keras_make(self, step_function)
+
+            def keras_make_function(step, outer_jit=True):
+                if outer_jit:
+                    return keras_make(self, step)
+                saved = self._jit_compile
+                self._jit_compile = False
+                try:
+                    return keras_make(self, step)
+                finally:
+                    self._jit_compile = saved
+
+            return make_function(self, step_function, keras_make_function)
+
+        def _resolve_auto_jit_compile(self):
+            if not is_ours(self._distribute_strategy):
+                return keras_resolve(self)
+            from keras.src.trainers.trainer import model_supports_jit  # noqa: PLC0415
+
+            if not tf.config.list_logical_devices("GPU"):
+                return False  # Keras' rule: no XLA on CPU-only machines
+            return model_supports_jit(self)
+
+        trainer._make_function = _make_function
+        trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+        if hasattr(trainer, "_maybe_symbolic_build"):
+            keras_build = _STATE.originals["_maybe_symbolic_build"] = trainer._maybe_symbolic_build
+
+            def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+                if is_ours(self.distribute_strategy) and fully_built(self):
+                    return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
+                return keras_build(self, iterator=iterator, data_batch=data_batch)
+
+            trainer._maybe_symbolic_build = _maybe_symbolic_build
+        _install_optimizer_hooks()
+        return None
+
+
+def enable_trainer_hooks(is_ours: Callable[[object], bool], make_function: Callable) -> str | None:
+    """`install_trainer_hooks`, remembering why it failed (`keras_hook_problem()`); returns that reason or None."""
+    _STATE.problem = install_trainer_hooks(is_ours, make_function)
+    return _STATE.problem
+
+
+def jit_tf_function(fn):
+    """(tf.function, python function, autograph flag) when `fn` is a `tf.function(jit_compile=True)`, or Keras'
+    `_autoconvert_optionals` wrapper of one (reached through `__wrapped__`); else None.
+
+    Touches `tf.function`'s private `_jit_compile` and `_autograph` (TensorFlow 2.16-2.21; no public accessor):
+    tf_nvlink recompiles such a function once per replica, with the user's autograph setting."""
+    target = fn if hasattr(fn, "python_function") else getattr(fn, "__wrapped__", fn)
+    if not (getattr(target, "_jit_compile", False) and hasattr(target, "python_function")):
+        return None
+    return target, target.python_function, getattr(target, "_autograph", True)
+
+
+# ==== Keras' TensorFlow optimizer: its gradient all-reduce (tf_nvlink.training.gradient_allreduce) =============
+
+
+def replace_gradient_allreduce(replacement: Callable) -> bool:
+    """Replace `TFOptimizer._all_reduce_sum_gradients` (Keras' TensorFlow optimizer's gradient all-reduce, in fit
+    with and without XLA and in custom loops) by `replacement(optimizer, grads_and_vars, keras_all_reduce)`;
+    returns False when it already is. Why: tf_nvlink skips the all-reduce of one replica and casts around it
+    for bfloat16 (training/gradient_allreduce.py says why); Keras has no public hook there."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
+
+    with _STATE.lock:
+        if "TFOptimizer._all_reduce_sum_gradients" in _STATE.originals:
+            return False
+        original = _STATE.originals["TFOptimizer._all_reduce_sum_gradients"] = TFOptimizer._all_reduce_sum_gradients
+
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            return replacement(self, grads_and_vars, lambda pairs: original(self, pairs))
+
+        TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+        return True
+
+
+def restore_gradient_allreduce() -> None:
+    """Put Keras' own `TFOptimizer._all_reduce_sum_gradients` back (tests show what the replacement changes)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer  # noqa: PLC0415
+
+    with _STATE.lock:
+        original = _STATE.originals.pop("TFOptimizer._all_reduce_sum_gradients", None)
+        if original is not None:
+            TFOptimizer._all_reduce_sum_gradients = original
+
+
+def check_gradients_present(grads_and_vars) -> None:
+    """Keras' own check of (gradient, variable) pairs: all None raises, some None warns
+    (`keras.src.backend.tensorflow.optimizer.filter_empty_gradients`, no public name)."""
+    from keras.src.backend.tensorflow.optimizer import filter_empty_gradients  # noqa: PLC0415
+
+    filter_empty_gradients(grads_and_vars)
+
+
+# ==== Keras' TensorFlow Variable: which variables a step writes (tf_nvlink.training.replica_sync) ==============
+
+
+def keras_variable_class():
+    """Keras' TensorFlow-backend Variable class (`keras.src.backend.tensorflow.core.Variable`)."""
+    from keras.src.backend.tensorflow.core import Variable  # noqa: PLC0415
+
+    return Variable
+
+
+def report_variable_writes(on_write: Callable[[object], None]) -> bool:
+    """Call `on_write(variable)` before every write of a Keras variable's value; returns False when installed
+    already. Touches `Variable._direct_assign`, which every `assign`/`assign_add`/`assign_sub` of Keras' TensorFlow
+    backend reaches (BatchNormalization's moving statistics included); Keras has no public write hook."""
+    variable_class = keras_variable_class()
+    with _STATE.lock:
+        if "Variable._direct_assign" in _STATE.originals:
+            return False
+        original = _STATE.originals["Variable._direct_assign"] = variable_class._direct_assign
+
+        def _direct_assign(self, value):
+            on_write(self)
+            return original(self, value)
+
+        variable_class._direct_assign = _direct_assign
+        return True
+
+
+def keras_variable_write_original() -> Callable | None:
+    """Keras' own `Variable._direct_assign` while `report_variable_writes` is installed (tests read its source)."""
+    return _STATE.originals.get("Variable._direct_assign")
+
+
+# ==== Keras callbacks =========================================================================================
+
+
+_BACKUP_BASE: list = []
+
+
+def backup_and_restore_base():
+    """`keras.callbacks.BackupAndRestore` with its private save/load steps as overridable public methods.
+
+    Touches (Keras 3.12-3.15.1): `_load_model` (at train begin), `_save_model` (at each epoch's end),
+    `_current_epoch` and `_training_metadata_path`. Why: tf_nvlink's `AtomicBackupAndRestore` keeps Keras'
+    schedule and file names but writes every file atomically; Keras has no public seam for the writes.
+    Subclasses define `load_backup()` and `save_backup(epoch, metadata_path)`. The class is made on first use
+    (Keras is imported then).
+    """
+    if not _BACKUP_BASE:
+        import keras  # noqa: PLC0415
+
+        class BackupAndRestoreSeams(keras.callbacks.BackupAndRestore):
+            def _load_model(self):
+                self.load_backup()
+
+            def _save_model(self):
+                self.save_backup(self._current_epoch, self._training_metadata_path)
+
+            def load_backup(self):
+                raise NotImplementedError
+
+            def save_backup(self, epoch: int, metadata_path: str):
+                raise NotImplementedError
+
+        _BACKUP_BASE.append(BackupAndRestoreSeams)
+    return _BACKUP_BASE[0]
+
+
+def tensorboard_log_dir_beside(callback) -> str | None:
+    """The log_dir of a keras.callbacks.TensorBoard in the CallbackList calling `callback` now, or None.
+
+    Keras gives a callback no view of its siblings; the CallbackList whose hook calls ours has them, so this
+    walks up a few frames (`sys._getframe`) to the caller whose `self.callbacks` holds `callback` (Keras'
+    CallbackList, 3.12-3.15.1)."""
+    import sys  # noqa: PLC0415
+
+    import keras  # noqa: PLC0415
+
+    frame = sys._getframe(1)  # the callback hook that asks
+    for _ in range(6):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        siblings = getattr(owner, "callbacks", None)
+        if isinstance(siblings, list) and any(c is callback for c in siblings):
+            for sibling in siblings:
+                if isinstance(sibling, keras.callbacks.TensorBoard):
+                    return sibling.log_dir
+            return None
+        frame = frame.f_back
+    return None
+
+
+# ==== TensorFlow's eager context (multi-worker start, coordination service, run metadata) ======================
+
+
+def tensorflow_runtime_started() -> bool:
+    """True once TensorFlow's runtime is initialised in this process (`context.context()._initialized`,
+    `tensorflow.python.eager.context`). Why: MultiWorkerMirroredStrategy can start its server only before that;
+    tf_nvlink says so instead of TensorFlow's later, obscure failure."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    return bool(getattr(context.context(), "_initialized", False))
+
+
+def coordination_set(key: str, value: str) -> None:
+    """Publish `value` under `key` in the coordination service's key-value store (multi-worker; the eager
+    context's `set_config_key_value`, only in `tensorflow.python.eager.context`)."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    context.context().set_config_key_value(key, value)
+
+
+def coordination_get(key: str, timeout_ms: int) -> str:
+    """The value another worker published under `key`, waiting up to `timeout_ms` (`get_config_key_value`)."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    return context.context().get_config_key_value(key, timeout_ms)
+
+
+@contextlib.contextmanager
+def recorded_run_metadata():
+    """Record TensorFlow's run metadata (function graphs after Grappler) while the block runs; yields a list
+    that holds the `RunMetadata` afterwards. Why: the all-reduce bench inspects the optimised graphs; run
+    metadata exists only in `tensorflow.python.eager.context` (TensorFlow 2.16-2.21)."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    recorded: list = []
+    context.enable_run_metadata()
+    try:
+        yield recorded
+        recorded.append(context.export_run_metadata())
+    finally:
+        context.disable_run_metadata()
+
+
+# ==== TensorFlow's devices and kernels (facts for tf_nvlink.machine.tf_devices' pure mapping) ==================
+
+
+def tf_gpu_descs() -> list[tuple[str, str]]:
+    """(name, physical_device_desc) of every GPU TensorFlow sees (initialises the GPUs).
+
+    Touches `tensorflow.python.client.device_lib.list_local_devices`: the public `tf.config` API gives no PCI
+    bus id, which maps TensorFlow's GPUs to NVML's."""
+    from tensorflow.python.client import device_lib  # noqa: PLC0415
+
+    return [(d.name, d.physical_device_desc) for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+
+
+def nccl_kernels_registered() -> bool:
+    """True when this TensorFlow build has NCCL's GPU kernels (CUDA builds do; CPU-only and ROCm ones may not).
+
+    Touches `tensorflow.python.framework.kernels.get_registered_kernels_for_op`: no public API lists kernels."""
+    from tensorflow.python.framework import kernels  # noqa: PLC0415
+
+    try:
+        return any(k.device_type == "GPU" for k in kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
+    except Exception:  # noqa: BLE001 - an op TensorFlow does not know at all: no NCCL
+        return False
+
+
+# ==== Tests only: fused XLA mode on CPU replicas ==============================================================
+
+
+def emulate_fused_mode_on_cpu() -> None:
+    """Tests only: make CPU replicas take the path TensorFlow takes under XLA on all-GPU replicas (no merge_call),
+    and compile per-replica steps without XLA (XLA on CPU cannot compile collectives), so fused mode's code runs
+    on a CPU-only machine. Touches `MirroredExtended._use_merge_call` (`tensorflow.python.distribute`). Call once
+    per process, before building the strategy."""
+    from tensorflow.python.distribute import mirrored_strategy  # noqa: PLC0415
+
+    mirrored_strategy.MirroredExtended._use_merge_call = lambda self: False
+    _STATE.fused_emulated_on_cpu = True
+
+
+def per_replica_jit_compile() -> bool:
+    """Whether per-replica steps compile with XLA (always, except under `emulate_fused_mode_on_cpu`)."""
+    return not _STATE.fused_emulated_on_cpu
+
+
+# ==== TensorFlow profiler traces (the step doctor) ===========================================================
 
 
 def xplane_protobuf_module():

@@ -19,7 +19,10 @@ from tf_nvlink.distribute import multi_worker
 from tf_nvlink.machine import nvml
 from tf_nvlink.plan import policy
 from tf_nvlink.util import json_workers as worker_processes
-from tf_nvlink.distribute.multi_worker import ClusterConfig, MultiWorkerPlan, TfConfigError, WorkerInfo
+from tf_nvlink.distribute import rendezvous
+from tf_nvlink.distribute.multi_worker import MultiWorkerPlan, WorkerInfo
+from tf_nvlink.machine import cluster_config
+from tf_nvlink.machine.cluster_config import ClusterConfig, TfConfigError
 
 EXAMPLE = str(ROOT / "examples" / "multi_worker.py")
 TWO = ["localhost:2222", "localhost:2223"]
@@ -96,13 +99,13 @@ BAD_TF_CONFIGS = [
 @pytest.mark.parametrize("text,message", BAD_TF_CONFIGS, ids=[str(i) for i in range(len(BAD_TF_CONFIGS))])
 def test_bad_tf_config_is_a_clear_error(text, message):
     with pytest.raises(TfConfigError, match=message):
-        multi_worker.parse_tf_config(text)
+        cluster_config.parse_tf_config(text)
     assert issubclass(TfConfigError, ValueError)
 
 
 @pytest.mark.parametrize("text", [None, "", "   \n"])
 def test_unset_tf_config_is_single_host(text):
-    assert multi_worker.parse_tf_config(text) is None
+    assert cluster_config.parse_tf_config(text) is None
 
 
 @pytest.mark.parametrize("cluster,task_type", [
@@ -112,13 +115,13 @@ def test_unset_tf_config_is_single_host(text):
     ({"chief": ["a:1"], "worker": ["b:1"], "evaluator": ["c:1"]}, "evaluator"),  # the evaluator trains alone
 ])
 def test_one_member_or_the_evaluator_is_single_host(cluster, task_type):
-    assert multi_worker.parse_tf_config(tf_config(cluster=cluster, task_type=task_type)) is None
+    assert cluster_config.parse_tf_config(tf_config(cluster=cluster, task_type=task_type)) is None
 
 
 def test_chief_and_workers_are_numbered_as_tensorflow_does():
     cluster = {"chief": ["c:1"], "worker": ["w0:1", "w1:1"], "evaluator": ["e:1"]}
-    chief = multi_worker.parse_tf_config(tf_config(cluster=cluster, task_type="chief", rpc_layer="grpc"))
-    worker1 = multi_worker.parse_tf_config(tf_config(cluster=cluster, index=1))
+    chief = cluster_config.parse_tf_config(tf_config(cluster=cluster, task_type="chief", rpc_layer="grpc"))
+    worker1 = cluster_config.parse_tf_config(tf_config(cluster=cluster, index=1))
     assert (chief.task, chief.worker_id, chief.is_chief, chief.worker_count) == ("chief:0", 0, True, 3)
     assert (worker1.task, worker1.worker_id, worker1.is_chief, worker1.address) == ("worker:1", 2, False, "w1:1")
     assert worker1.peers == (("chief:0", "c:1"), ("worker:0", "w0:1"))  # the evaluator is no peer
@@ -128,10 +131,10 @@ def test_chief_and_workers_are_numbered_as_tensorflow_does():
 
 
 def test_worker_zero_is_chief_without_a_chief_and_ipv6_addresses_parse():
-    cluster = multi_worker.parse_tf_config(tf_config(cluster={"worker": ["[::1]:2222", "[fe80::1]:2222"]}))
+    cluster = cluster_config.parse_tf_config(tf_config(cluster={"worker": ["[::1]:2222", "[fe80::1]:2222"]}))
     assert cluster.is_chief and cluster.peers == (("worker:1", "[fe80::1]:2222"),)
-    assert multi_worker.split_address("[::1]:2222") == ("::1", 2222)
-    assert multi_worker.split_address("node-7.cluster.local:12345") == ("node-7.cluster.local", 12345)
+    assert cluster_config.split_address("[::1]:2222") == ("::1", 2222)
+    assert cluster_config.split_address("node-7.cluster.local:12345") == ("node-7.cluster.local", 12345)
 
 
 def test_cluster_from_a_resolver_is_validated_like_tf_config(tf):
@@ -186,18 +189,18 @@ def test_single_host_arguments_are_refused_in_multi_worker_mode():
 def test_implementation_follows_the_local_topology(monkeypatch, machine, gpus, expected, reason):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     topology = nvml.probe(FakeNvml(machine()))
-    name, why = multi_worker.choose_implementation(topology, gpus)
+    name, why = policy.choose_implementation(topology, gpus)
     assert name == expected and re.search(reason, why), why
 
 
 def test_cuda_visible_devices_picks_the_workers_gpus(monkeypatch):
     topology = nvml.probe(FakeNvml(pcie_x4()))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    assert multi_worker.choose_implementation(topology, 1)[0] == "NCCL"
-    name, why = multi_worker.choose_implementation(nvml.probe(FakeNvml(h200_x2())), 2, visible=[1, 0])
+    assert policy.choose_implementation(topology, 1)[0] == "NCCL"
+    name, why = policy.choose_implementation(nvml.probe(FakeNvml(h200_x2())), 2, visible=[1, 0])
     assert name == "NCCL" and "NVSwitch" in why
     with pytest.raises(ValueError, match=r"local_gpu_count should be a non-negative integer"):
-        multi_worker.choose_implementation(topology, -1)
+        policy.choose_implementation(topology, -1)
 
 
 def test_communication_options_are_tensorflow_objects(tf):
@@ -212,11 +215,11 @@ def test_communication_options_are_tensorflow_objects(tf):
 
 def test_unreachable_peer_names_the_address_and_the_timeout():
     own, closed = free_ports(2)
-    cluster = multi_worker.parse_tf_config(tf_config(cluster={"worker": [f"localhost:{own}",
+    cluster = cluster_config.parse_tf_config(tf_config(cluster={"worker": [f"localhost:{own}",
                                                                          f"localhost:{closed}"]}))
     start = time.monotonic()
-    with pytest.raises(multi_worker.PeerUnreachableError) as error:
-        multi_worker.wait_for_peers(cluster, timeout_s=1.0)
+    with pytest.raises(rendezvous.PeerUnreachableError) as error:
+        rendezvous.wait_for_peers(cluster, timeout_s=1.0)
     elapsed = time.monotonic() - start
     assert 1.0 <= elapsed < 4.0, elapsed
     assert re.search(rf"worker:0 \(localhost:{own}\) could not reach 1 of its 1 peer\(s\) within 1 s: worker:1 at "
@@ -229,15 +232,15 @@ def test_unreachable_peer_names_the_address_and_the_timeout():
 
 def test_peers_are_found_and_a_taken_own_port_is_an_error():
     own, peer = free_ports(2)
-    cluster = multi_worker.parse_tf_config(tf_config(cluster={"worker": [f"localhost:{own}", f"localhost:{peer}"]}))
+    cluster = cluster_config.parse_tf_config(tf_config(cluster={"worker": [f"localhost:{own}", f"localhost:{peer}"]}))
     with socket.create_server(("", peer)):
-        reached = multi_worker.wait_for_peers(cluster, timeout_s=5.0)
+        reached = rendezvous.wait_for_peers(cluster, timeout_s=5.0)
     assert list(reached) == [f"localhost:{peer}"] and reached[f"localhost:{peer}"] < 5.0
     with socket.create_server(("", own)), pytest.raises(TfConfigError, match=rf"own address localhost:{own} "
                                                                              r"\(TF_CONFIG\) cannot be used"):
-        multi_worker.wait_for_peers(cluster, timeout_s=1.0)
+        rendezvous.wait_for_peers(cluster, timeout_s=1.0)
     with pytest.raises(ValueError, match=r"peer_timeout_s should be a positive number"):
-        multi_worker.wait_for_peers(cluster, timeout_s=0)
+        rendezvous.wait_for_peers(cluster, timeout_s=0)
 
 
 def test_build_strategy_fails_fast_on_an_unreachable_peer_and_after_program_start():
@@ -246,14 +249,15 @@ def test_build_strategy_fails_fast_on_an_unreachable_peer_and_after_program_star
     own, closed = free_ports(2)
     code = textwrap.dedent(f"""
         import time
-        from tf_nvlink.distribute import multi_worker
+        from tf_nvlink.distribute import multi_worker, rendezvous
+        from tf_nvlink.machine import cluster_config
         from tf_nvlink.machine.topology import Topology
-        cluster = multi_worker.parse_tf_config('{tf_config(cluster={"worker": [f"localhost:{own}",
+        cluster = cluster_config.parse_tf_config('{tf_config(cluster={"worker": [f"localhost:{own}",
                                                                                f"localhost:{closed}"]})}')
         start = time.monotonic()
         try:
             multi_worker.build_strategy(Topology(), cluster, peer_timeout_s=1.0)
-        except multi_worker.PeerUnreachableError as error:
+        except rendezvous.PeerUnreachableError as error:
             print("UNREACHABLE", round(time.monotonic() - start, 1), error)
         import tensorflow as tf
         tf.constant(1.0) + 1.0
@@ -275,7 +279,7 @@ def test_build_strategy_fails_fast_on_an_unreachable_peer_and_after_program_star
 # ---- the plan ----------------------------------------------------------------------------------------------
 
 def _plan(workers):
-    cluster = multi_worker.parse_tf_config(tf_config(index=1))
+    cluster = cluster_config.parse_tf_config(tf_config(index=1))
     local = policy.Plan(gpus=(0, 1), cross_device_ops="collective", num_packs=None, reason="r", fingerprint="abc",
                         shape="nvswitch", nvlink_gbps=478.1, devices=("/job:worker/task:1/device:GPU:0",
                                                                       "/job:worker/task:1/device:GPU:1"))
@@ -290,7 +294,7 @@ def test_plan_summary_lists_every_workers_topology():
         "tf_nvlink plan: MultiWorkerMirroredStrategy, 2 workers x 2 GPU replica(s) = 4 replicas; this is worker:1 "
         "at localhost:2223: GPUs [0, 1] (nvswitch, 478 GB/s per direction over NVLink) -> CollectiveAllReduce "
         "NCCL: why [topology abc; workers' topologies: worker:0 a, worker:1 b (2 different topologies)]")
-    assert (plan.gpus, plan.shape, plan.on_cpu, plan.num_replicas) == ((0, 1), "nvswitch", False, 4)  # read through
+    assert (plan.gpus, plan.shape, plan.on_cpu, plan.num_replicas) == ((0, 1), "nvswitch", False, 4)  # the local plan's
     record = json.loads(json.dumps(plan.to_dict()))
     assert record["strategy"] == "MultiWorkerMirroredStrategy" and record["cluster"]["worker_id"] == 1
     assert [w["hostname"] for w in record["workers"]] == ["host0", "host1"]
@@ -389,8 +393,8 @@ def test_two_workers_train_the_mlp_in_sync(tmp_path, jobs):
     (["localhost:1", "host2:2"], {}, {}),  # several hosts: NCCL picks the network interface
 ])
 def test_nccl_bootstraps_over_loopback_when_the_whole_cluster_is_local(workers, environ, expected):
-    cluster = multi_worker.parse_tf_config(tf_config(cluster={"worker": workers}))
-    assert multi_worker.loopback_nccl_env(cluster, environ=environ) == expected
+    cluster = cluster_config.parse_tf_config(tf_config(cluster={"worker": workers}))
+    assert cluster_config.loopback_nccl_env(cluster, environ=environ) == expected
 
 
 def _final_checksum(output):

@@ -137,11 +137,11 @@ def test_without_nccl_kernels_the_plan_falls_back_and_says_so(tf):
 
     from tf_nvlink.plan import policy
 
-    from tf_nvlink.distribute import single_host
-    assert single_host.nccl_available() is True  # PyPI's TensorFlow is a CUDA build: NCCL's GPU kernel is there
+    from tf_nvlink import internals
+    assert internals.nccl_kernels_registered() is True  # PyPI's TensorFlow is a CUDA build: NCCL's GPU kernel is there
     plan = policy.make_plan(nvml.probe(FakeNvml(h200_x2())))
     assert (plan.cross_device_ops, plan.xla_allreduce) == ("nccl", "fused")
-    degraded, warning = single_host.without_nccl(plan)
+    degraded, warning = policy.without_nccl(plan)
     assert (degraded.cross_device_ops, degraded.num_packs, degraded.xla_allreduce) == ("reduce_to_one", None, "split")
     assert "no NCCL GPU kernels" in warning and "reduce_to_one instead of nccl" in warning
     assert degraded.reason.startswith("NCCL kernels missing") and degraded.gpus == plan.gpus

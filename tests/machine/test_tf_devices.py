@@ -106,8 +106,3 @@ def test_tf_device_for_hidden_gpu_raises_clear_error(h200, monkeypatch):
     message = str(info.value)
     assert "GPU(s) [0]" in message and "not visible to TensorFlow" in message
     assert "Choose among [1]" in message and "CUDA_VISIBLE_DEVICES='1'" in message
-
-
-def test_tf_gpus_uses_tf_gpu_descs(h200, monkeypatch):
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", lambda: [("/device:GPU:0", H200_DESC)])
-    assert [g.nvml_index for g in tf_devices.tf_gpus(h200)] == [0]

@@ -9,6 +9,8 @@ from fake_nvml import FakeNvml
 from tf_nvlink.machine import nvml
 
 from tf_nvlink.plan import policy
+from tf_nvlink.plan import cube_mesh
+from tf_nvlink.plan import gpu_request
 ALL8 = tuple(range(8))
 
 # What the current rules choose: (machine, gpus) -> (GPUs, cross_device_ops, num_packs).
@@ -97,13 +99,13 @@ def test_auto_never_picks_hierarchical_for_odd_counts_or_non_dgx1_shapes(name):
             plan = policy.make_plan(topo, list(subset), "auto")
             if plan.cross_device_ops == "hierarchical":
                 assert name == "dgx1_v100_x8" and subset == ALL8, subset
-                assert policy.is_dgx1_like(topo, subset)
+                assert cube_mesh.is_dgx1_like(topo, subset)
 
 
 def test_is_dgx1_like():
-    assert policy.is_dgx1_like(topo_of("dgx1_v100_x8"), ALL8)
-    assert not policy.is_dgx1_like(topo_of("dgx1_v100_x8"), ALL8[:4])
-    assert not policy.is_dgx1_like(topo_of("h100_hgx_x8"), ALL8)  # NVSwitch: everyone reaches 7, not 4
+    assert cube_mesh.is_dgx1_like(topo_of("dgx1_v100_x8"), ALL8)
+    assert not cube_mesh.is_dgx1_like(topo_of("dgx1_v100_x8"), ALL8[:4])
+    assert not cube_mesh.is_dgx1_like(topo_of("h100_hgx_x8"), ALL8)  # NVSwitch: everyone reaches 7, not 4
 
 
 # ---- bad requests: the message names the bad value and the valid choices -----------------------------------
@@ -126,7 +128,7 @@ def test_is_dgx1_like():
 def test_parse_gpus_errors(spec, valid):
     topo = topo_of("h200_x2")
     with pytest.raises(ValueError) as info:
-        policy.parse_gpus(spec, topo)
+        gpu_request.parse_gpus(spec, topo)
     message = str(info.value)
     assert f"gpus={spec!r}" in message  # the value as given
     assert valid in message  # the valid choices
@@ -134,7 +136,7 @@ def test_parse_gpus_errors(spec, valid):
 
 def test_parse_gpus_hidden_gpu_says_so():
     with pytest.raises(ValueError, match=r"hidden from TensorFlow by CUDA_VISIBLE_DEVICES.*\[1\]"):
-        policy.parse_gpus("0", topo_of("h200_x2"), visible=[1])
+        gpu_request.parse_gpus("0", topo_of("h200_x2"), visible=[1])
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -142,7 +144,7 @@ def test_parse_gpus_hidden_gpu_says_so():
     ([1, 0], (1, 0)), ((0,), (0,)), (["1", "0"], (1, 0)),
 ])
 def test_parse_gpus_accepts(spec, expected):
-    assert policy.parse_gpus(spec, topo_of("h200_x2")) == expected
+    assert gpu_request.parse_gpus(spec, topo_of("h200_x2")) == expected
 
 
 @pytest.mark.parametrize("ops", ["NCCL", "ring", "", None, "hierarchical_copy"])

@@ -112,7 +112,7 @@ def test_apply_xla_flags_merges_into_the_environment():
 def test_xla_flags_set_before_tensorflow_is_asked_and_taken_back_on_failure(tf, monkeypatch):
     """On a 2-GPU NVML machine the NVML-only plan's flags are in XLA_FLAGS when gather_facts asks TensorFlow for
     its GPUs; when building then fails, the user's value is back."""
-    from tf_nvlink.distribute import single_host
+    from tf_nvlink.distribute import facts, single_host
 
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -123,7 +123,7 @@ def test_xla_flags_set_before_tensorflow_is_asked_and_taken_back_on_failure(tf, 
         seen.append((os.environ.get("XLA_FLAGS"), kwargs.get("user_xla_flags")))
         raise RuntimeError("TensorFlow failed")
 
-    monkeypatch.setattr(single_host, "gather_facts", failing_gather_facts)
+    monkeypatch.setattr(facts, "gather_facts", failing_gather_facts)
     with pytest.raises(RuntimeError, match="TensorFlow failed"):
         single_host._build("all", "auto", None, None, topo, "auto")
     assert seen == [(f"--xla_dump_to=/tmp/d {GRAPHS} {LHS}", "--xla_dump_to=/tmp/d")]

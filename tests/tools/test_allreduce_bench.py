@@ -8,7 +8,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,11 +18,17 @@ import pytest
 import fake_nvml
 from fake_nvml import FakeNvml
 from tf_nvlink.tools import allreduce_bench
+from tf_nvlink.plan import allreduce_sizes
+from tf_nvlink.tools.allreduce_bench import cli
+from tf_nvlink.tools.allreduce_bench import render
+from tf_nvlink.tools.allreduce_bench import runner
+from tf_nvlink.tools.allreduce_bench import specs
+from tf_nvlink.util.text import one_line_error
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine.topology import Topology
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-CPU2 = allreduce_bench.Target("CPU", 2, fingerprint=Topology().fingerprint(), shape="cpu")
+CPU2 = specs.Target("CPU", 2, fingerprint=Topology().fingerprint(), shape="cpu")
 
 
 def machine(name):
@@ -31,11 +36,11 @@ def machine(name):
 
 
 def run_main(argv):
-    """allreduce_bench.main(argv) in this process (workers are still separate processes): (exit code, stdout, stderr)."""
+    """cli.main(argv) in this process (workers are still separate processes): (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = allreduce_bench.main(argv)
+            code = cli.main(argv)
         except SystemExit as exc:  # argparse errors
             code = exc.code
     return code, out.getvalue(), err.getvalue()
@@ -46,38 +51,38 @@ class TestParsing:
     @pytest.mark.parametrize("text,expected", [("1M", 2**20), ("64K", 65536), ("1G", 2**30), ("16MiB", 2**24),
                                                ("4096", 4096), (" 2m ", 2 * 2**20), ("1KB", 1024)])
     def test_sizes(self, text, expected):
-        assert allreduce_bench.parse_size(text) == expected
+        assert specs.parse_size(text) == expected
 
     @pytest.mark.parametrize("text", ["", "abc", "1T", "-4", "0", "6", "1.5M"])
     def test_bad_sizes(self, text):
-        with pytest.raises(allreduce_bench.BenchError, match="size"):
-            allreduce_bench.parse_size(text)
+        with pytest.raises(specs.BenchError, match="size"):
+            specs.parse_size(text)
 
     def test_size_list_sorted_unique(self):
-        assert allreduce_bench.parse_sizes("16M,1M,16M") == [2**20, 2**24]
-        assert [allreduce_bench.format_size(s) for s in allreduce_bench.DEFAULT_SIZES] == ["1M", "4M", "16M", "64M", "256M", "1G"]
+        assert specs.parse_sizes("16M,1M,16M") == [2**20, 2**24]
+        assert [allreduce_sizes.format_size(s) for s in specs.DEFAULT_SIZES] == ["1M", "4M", "16M", "64M", "256M", "1G"]
 
     def test_candidates(self):
-        parsed = allreduce_bench.parse_candidates("collective, nccl,nccl:4,hierarchical,reduce_to_one,auto,nccl:1,XLA")
+        parsed = specs.parse_candidates("collective, nccl,nccl:4,hierarchical,reduce_to_one,auto,nccl:1,XLA")
         assert [c.label for c in parsed] == ["collective", "nccl:1", "nccl:4", "hierarchical:1", "reduce_to_one",
                                              "auto", "xla"]
-        with pytest.raises(allreduce_bench.BenchError, match="takes no PACKS"):
-            allreduce_bench.parse_candidate("xla:2")
+        with pytest.raises(specs.BenchError, match="takes no PACKS"):
+            specs.parse_candidate("xla:2")
 
     @pytest.mark.parametrize("text,match", [("nccl,bogus", "unknown candidate 'bogus'"),
                                             ("reduce_to_one:2", "takes no PACKS"),
                                             ("nccl:x", "PACKS"), ("nccl:999", "PACKS"), (",", "comma list")])
     def test_bad_candidates_list_valid_choices(self, text, match):
-        with pytest.raises(allreduce_bench.BenchError, match=match) as info:
-            allreduce_bench.parse_candidates(text)
+        with pytest.raises(specs.BenchError, match=match) as info:
+            specs.parse_candidates(text)
         if "unknown" in match:
             for name in ("collective", "nccl[:PACKS]", "hierarchical[:PACKS]", "reduce_to_one", "auto", "xla"):
                 assert name in str(info.value)
 
     def test_env(self):
-        assert allreduce_bench.parse_env(["NCCL_P2P_DISABLE=1", "A=b=c"]) == {"NCCL_P2P_DISABLE": "1", "A": "b=c"}
-        with pytest.raises(allreduce_bench.BenchError, match="KEY=VALUE"):
-            allreduce_bench.parse_env(["1BAD=1"])
+        assert specs.parse_env(["NCCL_P2P_DISABLE=1", "A=b=c"]) == {"NCCL_P2P_DISABLE": "1", "A": "b=c"}
+        with pytest.raises(specs.BenchError, match="KEY=VALUE"):
+            specs.parse_env(["1BAD=1"])
 
     def test_cli_rejects_bad_candidates_before_running(self):
         code, out, err = run_main(["--devices", "cpu:2", "--candidates", "nccl,bogus"])
@@ -89,14 +94,14 @@ class TestParsing:
 class TestMath:
     @pytest.mark.parametrize("n,factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
     def test_bus_factor(self, n, factor):
-        assert allreduce_bench.bus_factor(n) == pytest.approx(factor)
+        assert specs.bus_factor(n) == pytest.approx(factor)
 
     def test_algbw_and_busbw(self):
         # 1 GB in 1 s: 1 GB/s of algorithm bandwidth; 8 GPUs move 2*7/8 of it over each link.
-        assert allreduce_bench.algbw_gbps(10**9, 1e6) == pytest.approx(1.0)
-        assert allreduce_bench.busbw_gbps(10**9, 1e6, 8) == pytest.approx(1.75)
+        assert specs.algbw_gbps(10**9, 1e6) == pytest.approx(1.0)
+        assert specs.busbw_gbps(10**9, 1e6, 8) == pytest.approx(1.75)
         # 256 MiB in 1647 us on 2 GPUs: about 163 GB/s, hardware-facts' TensorFlow default figure.
-        assert allreduce_bench.busbw_gbps(256 * 2**20, 1647.0, 2) == pytest.approx(163.0, rel=0.01)
+        assert specs.busbw_gbps(256 * 2**20, 1647.0, 2) == pytest.approx(163.0, rel=0.01)
 
     @pytest.mark.parametrize("raw,local,expected", [
         (1000.0, 160.0, (840.0, False)),  # 256 MiB-like: the max costs a small share, all of it subtracted
@@ -106,8 +111,8 @@ class TestMath:
         (10.0, 0.0, (10.0, False)), (10.0, None, (10.0, False)), (10.0, -1.0, (10.0, False)),
     ])
     def test_subtract_local(self, raw, local, expected):
-        assert allreduce_bench.MAX_LOCAL_SHARE == 0.5
-        time_us, capped = allreduce_bench.subtract_local(raw, local)
+        assert specs.MAX_LOCAL_SHARE == 0.5
+        time_us, capped = specs.subtract_local(raw, local)
         assert (time_us, capped) == pytest.approx(expected)
 
     def test_local_work_is_in_the_records_and_the_footer(self):
@@ -116,11 +121,11 @@ class TestMath:
                                "local_us": 160.0, "local_capped": False, "wrong": 0},
                               {"size_bytes": 2**10, "count": 2**8, "time_us": 10.0, "raw_time_us": 20.0,
                                "local_us": 15.0, "local_capped": True, "wrong": 0}]}
-        records = allreduce_bench.to_records(output, allreduce_bench.Candidate("reduce_to_one"), allreduce_bench.Target("GPU", 2, (0, 1)))
+        records = runner.to_records(output, specs.Candidate("reduce_to_one"), specs.Target("GPU", 2, (0, 1)))
         assert [(r["raw_time_us"], r["local_us"], r["local_capped"]) for r in records] == [
             (1560.0, 160.0, False), (20.0, 15.0, True)]
         assert records[0]["algbw"] == pytest.approx(2**28 / 1400e-6 / 1e9)  # from the corrected time
-        lines = allreduce_bench.render_candidate_table(records).splitlines()
+        lines = render.render_candidate_table(records).splitlines()
         assert lines[-3] == ("# Local work subtracted: 256M 160.0, 1K 15.0 (capped: 10.0 subtracted) us per "
                              "all-reduce (the chain without the all-reduce, less an empty call)")
         assert lines[-2] == "# Out of bounds values : 0 OK"
@@ -133,9 +138,9 @@ class TestMath:
                                "nvlink_bytes": 1.003 * 2**28, "nvlink_expected_bytes": 2**28},
                               {"size_bytes": 2**10, "count": 2**8, "time_us": 20.0, "wrong": 0,
                                "nvlink_bytes": None, "nvlink_expected_bytes": 2**10}]}
-        records = allreduce_bench.to_records(output, allreduce_bench.Candidate("nccl"), allreduce_bench.Target("GPU", 2, (0, 1)))
+        records = runner.to_records(output, specs.Candidate("nccl"), specs.Target("GPU", 2, (0, 1)))
         assert records[0]["nvlink_bytes"] == 1.003 * 2**28 and records[0]["nvlink_expected_bytes"] == 2**28
-        lines = allreduce_bench.render_candidate_table(records).splitlines()
+        lines = render.render_candidate_table(records).splitlines()
         assert lines[1].split()[-2:] == ["NVLink", "expected"] and lines[2].split()[-2:] == ["(MiB/GPU)"] * 2
         assert lines[3].split()[-2:] == ["256.768", "256.000"]
         assert lines[4].split()[-2:] == ["n/a", "0.001"]
@@ -146,8 +151,8 @@ class TestMath:
                   "nvlink_unavailable": "GPU 0: no NVLink (a PCIe-only GPU)",
                   "results": [{"size_bytes": 2**20, "count": 2**18, "time_us": 100.0, "wrong": 0,
                                "nvlink_bytes": None, "nvlink_expected_bytes": 2**20}]}
-        records = allreduce_bench.to_records(output, allreduce_bench.Candidate("nccl"), allreduce_bench.Target("GPU", 2, (0, 1)))
-        table = allreduce_bench.render_candidate_table(records)
+        records = runner.to_records(output, specs.Candidate("nccl"), specs.Target("GPU", 2, (0, 1)))
+        table = render.render_candidate_table(records)
         assert "NVLink" not in table.splitlines()[1]
         assert "# NVLink bytes not measured: GPU 0: no NVLink (a PCIe-only GPU)" in table
 
@@ -170,8 +175,8 @@ class TestMath:
     def test_records_carry_the_formula(self):
         output = {"ok": True, "ops": "reduce_to_one", "num_packs": None, "n_replicas": 4, "n_gpus": 4,
                   "results": [{"size_bytes": 2**20, "count": 2**18, "time_us": 100.0, "wrong": 0}]}
-        gpu4 = allreduce_bench.Target("GPU", 4, (0, 1, 2, 3))
-        [record] = allreduce_bench.to_records(output, allreduce_bench.Candidate("reduce_to_one"), gpu4)
+        gpu4 = specs.Target("GPU", 4, (0, 1, 2, 3))
+        [record] = runner.to_records(output, specs.Candidate("reduce_to_one"), gpu4)
         assert record["algbw"] == pytest.approx(2**20 / 100e-6 / 1e9)
         assert record["busbw"] == pytest.approx(record["algbw"] * 1.5)
         assert record["status"] == "ok" and record["n_gpus"] == 4
@@ -180,29 +185,29 @@ class TestMath:
 # ------------------------------------------------------------------------------------ targets and skipping
 class TestTargets:
     def test_cpu_target(self):
-        target = allreduce_bench.resolve_target("cpu:2")
+        target = specs.resolve_target("cpu:2")
         assert (target.device_type, target.n, target.spec, target.gpus_key) == ("CPU", 2, "cpu:2", "cpu:2")
 
     def test_gpu_target_from_topology(self):
-        target = allreduce_bench.resolve_target("gpu", "all", machine("h200_x2"))
+        target = specs.resolve_target("gpu", "all", machine("h200_x2"))
         assert target.gpus == (0, 1) and target.spec == "gpu:0,1" and target.shape == "nvswitch"
         assert target.fingerprint == machine("h200_x2").fingerprint()
 
     def test_no_gpu_hints_at_cpu_devices(self):
-        with pytest.raises(allreduce_bench.BenchError, match="--devices cpu:2"):
-            allreduce_bench.resolve_target("gpu", "all", machine("no_driver"))
+        with pytest.raises(specs.BenchError, match="--devices cpu:2"):
+            specs.resolve_target("gpu", "all", machine("no_driver"))
 
     @pytest.mark.parametrize("devices", ["tpu", "cpu:0", "cpu:x"])
     def test_bad_devices(self, devices):
-        with pytest.raises(allreduce_bench.BenchError, match="devices"):
-            allreduce_bench.resolve_target(devices)
+        with pytest.raises(specs.BenchError, match="devices"):
+            specs.resolve_target(devices)
 
     def test_unknown_gpu(self):
-        with pytest.raises(allreduce_bench.BenchError, match="does not exist"):
-            allreduce_bench.resolve_target("gpu", "5", machine("h200_x2"))
+        with pytest.raises(specs.BenchError, match="does not exist"):
+            specs.resolve_target("gpu", "5", machine("h200_x2"))
 
     def test_nccl_and_hierarchical_skipped_on_cpu_with_reasons(self):
-        runs, skipped = allreduce_bench.plan_runs(allreduce_bench.parse_candidates(allreduce_bench.DEFAULT_CANDIDATES), CPU2)
+        runs, skipped = specs.plan_runs(specs.parse_candidates(specs.DEFAULT_CANDIDATES), CPU2)
         assert [c.label for c in runs] == ["collective", "reduce_to_one", "auto"]
         reasons = dict(skipped)
         assert reasons["nccl:1"] == reasons["nccl:4"] == "NCCL does not run on CPU devices"
@@ -210,20 +215,20 @@ class TestTargets:
         assert "all-GPU replicas" in reasons["xla"] and "merge_call" in reasons["xla"]
 
     def test_xla_runs_on_gpus_and_says_what_it_measures(self):
-        runs, skipped = allreduce_bench.plan_runs([allreduce_bench.parse_candidate("xla")], allreduce_bench.Target("GPU", 2, (0, 1)))
+        runs, skipped = specs.plan_runs([specs.parse_candidate("xla")], specs.Target("GPU", 2, (0, 1)))
         assert [c.label for c in runs] == ["xla"] and not skipped
         output = {"ok": True, "ops": "xla", "num_packs": None, "n_replicas": 2, "n_gpus": 2, "tf_version": "2.21.0",
                   "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": 1000.0, "wrong": 0}]}
-        records = allreduce_bench.to_records(output, allreduce_bench.parse_candidate("xla"), allreduce_bench.Target("GPU", 2, (0, 1)))
+        records = runner.to_records(output, specs.parse_candidate("xla"), specs.Target("GPU", 2, (0, 1)))
         assert records[0]["label"] == "xla" and records[0]["busbw"] == pytest.approx(2**28 / 1e6)
-        assert "one XLA program per replica" in allreduce_bench.render_candidate_table(records)
+        assert "one XLA program per replica" in render.render_candidate_table(records)
 
     def test_hierarchical_needs_an_even_gpu_count(self):
-        candidates = allreduce_bench.parse_candidates("hierarchical,nccl")
-        three = allreduce_bench.Target("GPU", 3, (0, 1, 2))
-        runs, skipped = allreduce_bench.plan_runs(candidates, three)
+        candidates = specs.parse_candidates("hierarchical,nccl")
+        three = specs.Target("GPU", 3, (0, 1, 2))
+        runs, skipped = specs.plan_runs(candidates, three)
         assert [c.label for c in runs] == ["nccl:1"] and "even number" in dict(skipped)["hierarchical:1"]
-        runs, skipped = allreduce_bench.plan_runs(candidates, allreduce_bench.Target("GPU", 2, (0, 1)))
+        runs, skipped = specs.plan_runs(candidates, specs.Target("GPU", 2, (0, 1)))
         assert len(runs) == 2 and not skipped
 
     def test_cli_with_only_invalid_candidates(self):
@@ -250,26 +255,26 @@ def fake_spawn(wrong=0, fail=None, slow_without_p2p=1.0, calls=None):
 
 class TestFakeRuns:
     def test_wrong_sums_mean_exit_1(self):
-        records, skipped = allreduce_bench.measure(allreduce_bench.parse_candidates("collective,reduce_to_one,nccl"), CPU2,
+        records, skipped = runner.measure(specs.parse_candidates("collective,reduce_to_one,nccl"), CPU2,
                                          [1024, 4096], spawn=fake_spawn(wrong=3), progress=None)
         assert [r["status"] for r in records] == ["wrong", "wrong", "ok", "ok"]
         assert skipped == [("nccl:1", "NCCL does not run on CPU devices")]
-        assert allreduce_bench.exit_code(records) == 1
-        text = allreduce_bench.render_text("cmd", CPU2, records, skipped, 2, 1, 1, {})
+        assert render.exit_code(records) == 1
+        text = render.render_text("cmd", CPU2, records, skipped, 2, 1, 1, {})
         assert "# Out of bounds values : 6 WRONG" in text and "WRONG sums from collective" in text
 
     def test_failed_worker_is_a_row(self):
-        records, _ = allreduce_bench.measure(allreduce_bench.parse_candidates("collective,auto"), CPU2, [1024],
+        records, _ = runner.measure(specs.parse_candidates("collective,auto"), CPU2, [1024],
                                    spawn=fake_spawn(fail="collective"), progress=None)
         assert records[0]["status"] == "failed" and records[0]["error"] == "RuntimeError: boom"
         assert records[1]["label"] == "auto(reduce_to_one)"
-        text = allreduce_bench.render_text("cmd", CPU2, records, [], 2, 1, 1, {})
-        assert "FAILED: RuntimeError: boom" in text and allreduce_bench.exit_code(records) == 1
+        text = render.render_text("cmd", CPU2, records, [], 2, 1, 1, {})
+        assert "FAILED: RuntimeError: boom" in text and render.exit_code(records) == 1
 
     def test_table_has_names_units_and_footer(self):
-        records, _ = allreduce_bench.measure([allreduce_bench.Candidate("reduce_to_one")], CPU2, [1024, 2**20], spawn=fake_spawn(),
+        records, _ = runner.measure([specs.Candidate("reduce_to_one")], CPU2, [1024, 2**20], spawn=fake_spawn(),
                                    progress=None)
-        lines = allreduce_bench.render_candidate_table(records).splitlines()
+        lines = render.render_candidate_table(records).splitlines()
         assert lines[1].split() == ["#", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"]
         assert lines[2].split() == ["#", "(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)"]
         assert lines[3].split() == ["1024", "256", "float", "sum", "1.0", "1.00", "1.00", "0"]
@@ -278,8 +283,8 @@ class TestFakeRuns:
 
     def test_compare_p2p_runs_twice_and_prints_ratio(self, monkeypatch):
         calls = []
-        monkeypatch.setattr(allreduce_bench.runner, "spawn_worker", fake_spawn(slow_without_p2p=7.0, calls=calls))
-        monkeypatch.setattr(allreduce_bench.cli, "resolve_target", lambda devices, gpus, topology=None: CPU2)
+        monkeypatch.setattr(runner, "spawn_worker", fake_spawn(slow_without_p2p=7.0, calls=calls))
+        monkeypatch.setattr(cli, "resolve_target", lambda devices, gpus, topology=None: CPU2)
         code, out, _ = run_main(["--devices", "cpu:2", "--sizes", "1K,4K", "--candidates", "collective",
                                  "--compare_p2p", "--env", "FOO=1"])
         assert code == 0
@@ -293,7 +298,7 @@ class TestFakeRuns:
         assert code == 2 and "--compare_p2p sets NCCL_P2P_DISABLE" in err
 
     def test_json_to_stdout(self, monkeypatch):
-        monkeypatch.setattr(allreduce_bench.runner, "spawn_worker", fake_spawn())
+        monkeypatch.setattr(runner, "spawn_worker", fake_spawn())
         code, out, err = run_main(["--devices", "cpu:2", "--sizes", "1K", "--candidates", "reduce_to_one,nccl",
                                    "--json"])
         assert code == 0 and "skipped nccl:1" in err
@@ -304,7 +309,7 @@ class TestFakeRuns:
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
                             else real(name, *a))
-        monkeypatch.setattr(allreduce_bench.runner, "spawn_worker", lambda *a, **k: pytest.fail("must fail before measuring"))
+        monkeypatch.setattr(runner, "spawn_worker", lambda *a, **k: pytest.fail("must fail before measuring"))
         code, _, err = run_main(["--devices", "cpu:2", "--plot", "out.png"])
         assert code == 2 and "pip install tf-nvlink[plot]" in err
 
@@ -316,7 +321,7 @@ class TestFakeRuns:
             return subprocess.CompletedProcess(args, 1, stdout="noise\n", stderr="a\nb\nImportError: x\n")
 
         monkeypatch.setattr(subprocess, "run", fake_run)
-        output = allreduce_bench.spawn_worker(allreduce_bench.Candidate("collective"), CPU2, [1024], 2, 1, 1)
+        output = runner.spawn_worker(specs.Candidate("collective"), CPU2, [1024], 2, 1, 1)
         assert not output["ok"] and "status 1" in output["error"] and "ImportError: x" in output["error"]
 
 
@@ -353,9 +358,9 @@ class TestCpuRun:
             assert r["status"] == "ok" and r["wrong"] == 0 and r["n_replicas"] == 2 and r["n_gpus"] == 0
             assert r["time_us"] > 0 and r["count"] == r["size_bytes"] // 4 and r["tf_version"]
             assert r["algbw"] == pytest.approx(r["size_bytes"] / r["time_us"] / 1e3)
-            assert r["busbw"] == pytest.approx(r["algbw"] * allreduce_bench.bus_factor(2))
+            assert r["busbw"] == pytest.approx(r["algbw"] * specs.bus_factor(2))
             assert r["local_us"] >= 0 and r["raw_time_us"] >= r["time_us"]
-            assert (r["time_us"], r["local_capped"]) == pytest.approx(allreduce_bench.subtract_local(r["raw_time_us"],
+            assert (r["time_us"], r["local_capped"]) == pytest.approx(specs.subtract_local(r["raw_time_us"],
                                                                                             r["local_us"]))
             assert set(("candidate", "ops", "num_packs", "n_gpus", "size_bytes", "time_us", "algbw", "busbw",
                         "wrong")) <= set(r)
@@ -377,7 +382,7 @@ def test_chained_reduce_to_one_moves_data_every_iteration():
     iters = 4
     command = [sys.executable, "-m", "tf_nvlink.tools.allreduce_bench.worker", "--inspect", "--candidate", "reduce_to_one",
                "--target", "cpu:2", "--sizes", "1K", "--iters", str(iters)]
-    result = subprocess.run(command, env=allreduce_bench.worker_env(CPU2), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, env=runner.worker_env(CPU2), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     timed, local = report["timed"], report["local"]
@@ -401,9 +406,9 @@ def test_import_is_free_of_tensorflow():
 def test_multiline_worker_errors_become_one_line():
     error = ("ValueError: in user code:\n\n    File \"allreduce_bench.py\", line 311, in timed  *\n        return x\n"
              "    ValueError: Device assignment required for nccl collective ops")
-    [failed] = allreduce_bench.to_records({"ok": False, "error": error}, allreduce_bench.Candidate("nccl", 1), CPU2)
+    [failed] = runner.to_records({"ok": False, "error": error}, specs.Candidate("nccl", 1), CPU2)
     assert failed["error"] == "ValueError: Device assignment required for nccl collective ops"
-    assert allreduce_bench.one_line_error(ValueError("in user code:\n  File x\n  ValueError: boom")) == "ValueError: boom"
+    assert one_line_error(ValueError("in user code:\n  File x\n  ValueError: boom")) == "ValueError: boom"
 
 
 class TestFromJson:
@@ -411,14 +416,14 @@ class TestFromJson:
 
     @staticmethod
     def write_records(path):
-        target = allreduce_bench.Target("GPU", 2, (0, 1))
+        target = specs.Target("GPU", 2, (0, 1))
         records = []
-        for variant, time_us in (("", 1000.0), (allreduce_bench.P2P_VARIANT, 8000.0)):
+        for variant, time_us in (("", 1000.0), (specs.P2P_VARIANT, 8000.0)):
             output = {"ok": True, "ops": "nccl", "num_packs": 1, "n_replicas": 2, "n_gpus": 2,
                       "tf_version": "2.21.0",
                       "results": [{"size_bytes": 2**28, "count": 2**26, "time_us": time_us, "wrong": 0}]}
-            records += allreduce_bench.to_records(output, allreduce_bench.parse_candidate("nccl"), target, variant=variant)
-        records += allreduce_bench.skipped_records([("hierarchical:1", "odd")], target)
+            records += runner.to_records(output, specs.parse_candidate("nccl"), target, variant=variant)
+        records += runner.skipped_records([("hierarchical:1", "odd")], target)
         path.write_text(json.dumps(records))
         return path
 
@@ -446,8 +451,7 @@ def test_gpu_exact_sum_check_accepts_the_recorded_h200_run():
     """The GPU test's expectations hold for a real run (benchmarks/results, 2x H200): label names, sizes, sums."""
     from test_gpu import check_allreduce_records
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "benchmarks", "results", "2026-11-30b_h200x2_allreduce.json")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "2026-11-30b_h200x2_allreduce.json"
     with open(path) as f:
         records = json.load(f)
     check_allreduce_records(records, [2**20, 2**24, 2**28, 2**30])

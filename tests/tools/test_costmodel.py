@@ -6,10 +6,11 @@ import sys
 import pytest
 
 from fake_nvml import FakeNvml, bridged_pairs_x4, dgx1_v100_x8, h100_hgx_x8, h200_x2, pcie_x4, rtx3090_x2_bridge
-from tf_nvlink.tools import costmodel
+from tf_nvlink.tools.costmodel import model as costmodel
 from tf_nvlink.machine import nvml
-from tf_nvlink.tools.costmodel import (LINKS, MIB, LinkModel, Workload, allreduce_ms, fit_overhead, link_for_topology,
-                                 predict, render_table)
+from tf_nvlink.tools.costmodel.links import link_for_topology
+from tf_nvlink.tools.costmodel.model import LINKS, MIB, LinkModel, Workload, allreduce_ms, fit_overhead, predict
+from tf_nvlink.tools.costmodel.table import render_table
 
 # A round-number link and workload whose predictions are easy to compute by hand.
 LINK = LinkModel("test", busbw_gbps=100.0, hop_latency_us=5.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_python
-from tf_nvlink.tools import costmodel
+from tf_nvlink.tools.costmodel import model as costmodel
 from tf_nvlink.tools.doctor import outputs
 from tf_nvlink.tools.doctor.breakdown import gaps, merge, overlap, replica_breakdown
 from tf_nvlink.tools.doctor.diagnosis import diagnose_space, diagnose_trace

@@ -12,7 +12,7 @@ import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeNvml
 from tf_nvlink import __main__ as cli
-from tf_nvlink.machine import tf_devices
+from tf_nvlink import internals
 
 from tf_nvlink.machine import nvml
 from tf_nvlink.tools import report
@@ -248,7 +248,7 @@ def fake_tf(monkeypatch):
     """report's TensorFlow import and device_lib listing replaced: H200 descs, CUDA build."""
     tf = types.SimpleNamespace(__version__="2.21.0", test=types.SimpleNamespace(is_built_with_cuda=lambda: True))
     monkeypatch.setattr(report, "_import_tensorflow", lambda: tf)
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", lambda: list(H200_DESCS))
+    monkeypatch.setattr(internals, "tf_gpu_descs", lambda: list(H200_DESCS))
     return tf
 
 
@@ -267,7 +267,7 @@ def test_tf_view_maps_gpus(fake_tf):
 
 
 def test_tf_view_flags_hidden_gpus(fake_tf, monkeypatch):
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", lambda: [
+    monkeypatch.setattr(internals, "tf_gpu_descs", lambda: [
         ("/device:GPU:0", H200_DESCS[1][1].replace("device: 1", "device: 0"))])
     data = collect("h200_x2", with_tf=True, environ={"CUDA_VISIBLE_DEVICES": "1"})
     assert data["tensorflow"]["hidden_nvml"] == [0]
@@ -279,7 +279,7 @@ def test_tf_view_flags_hidden_gpus(fake_tf, monkeypatch):
 
 
 def test_tf_view_without_cuda_libraries(fake_tf, monkeypatch):
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", lambda: [])
+    monkeypatch.setattr(internals, "tf_gpu_descs", lambda: [])
     text = report.render_text(collect("h200_x2", with_tf=True))
     assert "  TensorFlow sees no GPU." in text
     assert "NVML GPU(s) [0, 1] are not visible to TensorFlow: CUDA_VISIBLE_DEVICES is unset" in text
@@ -287,7 +287,7 @@ def test_tf_view_without_cuda_libraries(fake_tf, monkeypatch):
 
 
 def test_tf_view_flags_unmapped_gpus(fake_tf, monkeypatch):
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", lambda: [
+    monkeypatch.setattr(internals, "tf_gpu_descs", lambda: [
         H200_DESCS[0], ("/device:GPU:1", H200_DESCS[1][1].replace("00:07.0", "00:09.0"))])
     data = collect("h200_x2", with_tf=True)
     assert data["tensorflow"]["unmapped"] == ["/device:GPU:1"]
@@ -309,7 +309,7 @@ def test_tf_not_importable(monkeypatch):
         raise ModuleNotFoundError("No module named 'tensorflow'")
 
     monkeypatch.setattr(report, "_import_tensorflow", missing)
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", pytest.fail)
+    monkeypatch.setattr(internals, "tf_gpu_descs", pytest.fail)
     data = collect("h200_x2", with_tf=True)
     text = report.render_text(data)
     tf_lines = [line for line in text.splitlines() if line.startswith("TensorFlow")]
@@ -320,7 +320,7 @@ def test_tf_not_importable(monkeypatch):
 
 def test_tf_without_gpu_support(fake_tf, monkeypatch):
     monkeypatch.setattr(fake_tf.test, "is_built_with_cuda", lambda: False)
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", pytest.fail)
+    monkeypatch.setattr(internals, "tf_gpu_descs", pytest.fail)
     data = collect("h200_x2", with_tf=True)
     assert data["tensorflow"]["built_with_cuda"] is False
     tf_lines = [line for line in report.render_text(data).splitlines() if line.startswith("TensorFlow")]
@@ -330,7 +330,7 @@ def test_tf_without_gpu_support(fake_tf, monkeypatch):
 
 def test_with_tf_false_never_touches_tensorflow(monkeypatch):
     monkeypatch.setattr(report, "_import_tensorflow", pytest.fail)
-    monkeypatch.setattr(tf_devices, "tf_gpu_descs", pytest.fail)
+    monkeypatch.setattr(internals, "tf_gpu_descs", pytest.fail)
     assert collect("h200_x2", with_tf=False)["tensorflow"] == {"checked": False}
 
 

@@ -13,10 +13,12 @@ import pytest
 
 import fake_nvml
 from fake_nvml import FakeNvml
-from tf_nvlink.tools import allreduce_bench
+from tf_nvlink.tools.allreduce_bench import runner
+from tf_nvlink.tools.allreduce_bench import specs
 from tf_nvlink.machine import nvml
 from tf_nvlink.tools import tune
 from tf_nvlink.plan import tune_cache
+from tf_nvlink.util.text import strict_loads
 from tf_nvlink.machine.topology import Topology
 
 
@@ -48,42 +50,42 @@ def h200():
 
 # ------------------------------------------------------------------------------------------------ location
 def test_cache_dir_precedence(monkeypatch, tmp_path):
-    assert tune.cache_path() == str(tmp_path / "cache" / "tf_nvlink" / "autotune.json")
+    assert tune_cache.cache_path() == str(tmp_path / "cache" / "tf_nvlink" / "autotune.json")
     monkeypatch.delenv("TF_NVLINK_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert tune.cache_dir() == str(tmp_path / "xdg" / "tf_nvlink")
+    assert tune_cache.cache_dir() == str(tmp_path / "xdg" / "tf_nvlink")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert tune.cache_dir() == str(tmp_path / "home" / ".cache" / "tf_nvlink")
+    assert tune_cache.cache_dir() == str(tmp_path / "home" / ".cache" / "tf_nvlink")
 
 
 # ----------------------------------------------------------------------------------------------- the cache
 class TestStore:
     def test_roundtrip_and_modes(self, cache):
-        key = tune.store(record())
+        key = tune_cache.store(record())
         assert key == "abc123def456|tensorflow-2.21.0|gpus:0,1"
-        assert tune.lookup("abc123def456", "2.21.0", [0, 1]) == record()
+        assert tune_cache.lookup("abc123def456", "2.21.0", [0, 1]) == record()
         assert stat.S_IMODE(os.stat(cache / "autotune.json").st_mode) == 0o600
         assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
         assert sorted(os.listdir(cache)) == ["autotune.json", "autotune.json.lock"]  # no temporary file left
 
     def test_keyed_by_fingerprint_tf_version_and_gpus(self):
-        tune.store(record())
-        tune.store(record(gpus=(0, 1, 2, 3), ops="reduce_to_one", packs=None, score=250.0))
-        assert tune.lookup("abc123def456", "2.21.0", (1, 0))["num_packs"] == 4  # a set: order does not matter
-        assert tune.lookup("abc123def456", "2.21.0", "0,1,2,3")["cross_device_ops"] == "reduce_to_one"
-        assert tune.lookup("000000000000", "2.21.0", [0, 1]) is None
-        assert tune.lookup("abc123def456", "2.20.0", [0, 1]) is None
-        assert tune.lookup("abc123def456", "2.21.0", [0, 2]) is None
-        assert tune.lookup("abc123def456", "2.21.0", "cpu:2") is None
+        tune_cache.store(record())
+        tune_cache.store(record(gpus=(0, 1, 2, 3), ops="reduce_to_one", packs=None, score=250.0))
+        assert tune_cache.lookup("abc123def456", "2.21.0", (1, 0))["num_packs"] == 4  # a set: order does not matter
+        assert tune_cache.lookup("abc123def456", "2.21.0", "0,1,2,3")["cross_device_ops"] == "reduce_to_one"
+        assert tune_cache.lookup("000000000000", "2.21.0", [0, 1]) is None
+        assert tune_cache.lookup("abc123def456", "2.20.0", [0, 1]) is None
+        assert tune_cache.lookup("abc123def456", "2.21.0", [0, 2]) is None
+        assert tune_cache.lookup("abc123def456", "2.21.0", "cpu:2") is None
 
     def test_store_replaces_the_same_key(self):
-        tune.store(record(score=1.0))
-        tune.store(record(score=2.0))
-        assert len(tune.entries()) == 1 and tune.lookup("abc123def456", "2.21.0", [0, 1])["score"] == 2.0
+        tune_cache.store(record(score=1.0))
+        tune_cache.store(record(score=2.0))
+        assert len(tune_cache.entries()) == 1 and tune_cache.lookup("abc123def456", "2.21.0", [0, 1])["score"] == 2.0
 
     def test_write_is_atomic(self, cache, monkeypatch):
-        tune.store(record(score=1.0))
+        tune_cache.store(record(score=1.0))
         before = (cache / "autotune.json").read_bytes()
 
         def broken_replace(src, dst):
@@ -91,7 +93,7 @@ class TestStore:
 
         monkeypatch.setattr(tune_cache.os, "replace", broken_replace)
         with pytest.raises(OSError, match="disk full"):
-            tune.store(record(score=2.0, gpus=(2, 3)))
+            tune_cache.store(record(score=2.0, gpus=(2, 3)))
         assert (cache / "autotune.json").read_bytes() == before
         assert sorted(os.listdir(cache)) == ["autotune.json", "autotune.json.lock"]
 
@@ -99,7 +101,7 @@ class TestStore:
         cache.mkdir(parents=True)
         (cache / "autotune.json").write_text('{"format": 1, "entries": {}}')
         os.chmod(cache / "autotune.json", 0o644)
-        tune.store(record())
+        tune_cache.store(record())
         assert stat.S_IMODE(os.stat(cache / "autotune.json").st_mode) == 0o600
 
     @pytest.mark.parametrize("bad", [dict(score=float("nan")), dict(score=float("inf")), dict(score=-1.0),
@@ -107,14 +109,14 @@ class TestStore:
                                      dict(fingerprint="")])
     def test_bad_records_are_refused(self, bad):
         with pytest.raises(ValueError):
-            tune.store(record(**bad))
-        assert not os.path.exists(tune.cache_path())
+            tune_cache.store(record(**bad))
+        assert not os.path.exists(tune_cache.cache_path())
 
 
 def _store_many(worker_id, count, barrier):
     barrier.wait(30)  # both processes start storing together, so their read-modify-writes interleave
     for i in range(count):
-        tune.store(record(fingerprint=f"p{worker_id}-{i:03d}", score=float(i)))
+        tune_cache.store(record(fingerprint=f"p{worker_id}-{i:03d}", score=float(i)))
 
 
 def test_concurrent_stores_from_two_processes_all_land(cache):
@@ -126,9 +128,9 @@ def test_concurrent_stores_from_two_processes_all_land(cache):
     for p in processes:
         p.join(60)
         assert p.exitcode == 0
-    data = tune.strict_loads((cache / "autotune.json").read_text())
+    data = strict_loads((cache / "autotune.json").read_text())
     assert len(data["entries"]) == 80
-    assert set(tune.entries()) == {f"p{w}-{i:03d}|tensorflow-2.21.0|gpus:0,1" for w in range(2) for i in range(40)}
+    assert set(tune_cache.entries()) == {f"p{w}-{i:03d}|tensorflow-2.21.0|gpus:0,1" for w in range(2) for i in range(40)}
     assert sorted(os.listdir(cache)) == ["autotune.json", "autotune.json.lock"]
 
 
@@ -139,21 +141,21 @@ class TestCorruptAndStrict:
         cache.mkdir(parents=True)
         path = cache / "autotune.json"
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
-        assert tune.lookup("abc123def456", "2.21.0", [0, 1]) is None
-        assert tune.lookup("abc123def456", "2.21.0", [0, 1]) is None
-        tune.store(record())
+        assert tune_cache.lookup("abc123def456", "2.21.0", [0, 1]) is None
+        assert tune_cache.lookup("abc123def456", "2.21.0", [0, 1]) is None
+        tune_cache.store(record())
         assert len(warnings_of(caplog)) == 1 and "ignoring the autotune cache" in warnings_of(caplog)[0].message
-        assert tune.lookup("abc123def456", "2.21.0", [0, 1]) == record()
+        assert tune_cache.lookup("abc123def456", "2.21.0", [0, 1]) == record()
         assert len(warnings_of(caplog)) == 1
 
     def test_nan_infinity_and_duplicates_rejected(self, cache, caplog):
         for text in ("NaN", "[Infinity]", "-Infinity", "1e400", '{"a": 1, "a": 2}'):
             with pytest.raises(ValueError):
-                tune.strict_loads(text)
+                strict_loads(text)
         cache.mkdir(parents=True)
-        text = json.dumps({"format": 1, "entries": {tune.make_key("abc123def456", "2.21.0", [0, 1]): record()}})
+        text = json.dumps({"format": 1, "entries": {tune_cache.make_key("abc123def456", "2.21.0", [0, 1]): record()}})
         (cache / "autotune.json").write_text(text.replace("230.0", "NaN"))
-        assert tune.lookup("abc123def456", "2.21.0", [0, 1]) is None
+        assert tune_cache.lookup("abc123def456", "2.21.0", [0, 1]) is None
         assert "NaN is not valid JSON" in warnings_of(caplog)[0].message
 
     def test_mistyped_entries_dropped_others_kept(self, cache, caplog):
@@ -163,13 +165,13 @@ class TestCorruptAndStrict:
         bad[1]["num_packs"] = "4"
         bad[2]["score"] = True
         del bad[3]["sizes"]
-        entries = {tune.make_key(r["fingerprint"], "2.21.0", [0, 1]): r for r in bad}
-        entries[tune.make_key("abc123def456", "2.21.0", [0, 1])] = bad[0]
+        entries = {tune_cache.make_key(r["fingerprint"], "2.21.0", [0, 1]): r for r in bad}
+        entries[tune_cache.make_key("abc123def456", "2.21.0", [0, 1])] = bad[0]
         entries["wrong-key"] = record(fingerprint="b5")
-        entries[tune.make_key("abc123def456", "2.21.0", [2, 3])] = good
+        entries[tune_cache.make_key("abc123def456", "2.21.0", [2, 3])] = good
         cache.mkdir(parents=True)
         (cache / "autotune.json").write_text(json.dumps({"format": 1, "entries": entries}))
-        assert list(tune.entries().values()) == [good]
+        assert list(tune_cache.entries().values()) == [good]
         assert len(warnings_of(caplog)) == 1 and "5 malformed entries" in warnings_of(caplog)[0].message
 
 
@@ -194,11 +196,11 @@ class TestScoring:
         assert tune.tuning_sizes() == [16 * 2**20, 256 * 2**20]
         assert tune.tuning_sizes(grad_bytes=102) == [104]  # whole float32s
         assert tune.tuning_sizes("1M", grad_bytes=4096) == [4096, 2**20]
-        with pytest.raises(allreduce_bench.BenchError):
+        with pytest.raises(specs.BenchError):
             tune.tuning_sizes(grad_bytes=0)
 
     def test_geometric_mean_and_disqualification(self):
-        records, _ = allreduce_bench.measure(allreduce_bench.parse_candidates("collective,reduce_to_one"), allreduce_bench.resolve_target("cpu:2"),
+        records, _ = runner.measure(specs.parse_candidates("collective,reduce_to_one"), specs.resolve_target("cpu:2"),
                                    [4096, 65536], progress=None,
                                    spawn=fake_spawn({"collective": [1.0, 100.0], "reduce_to_one": [20.0, 30.0]},
                                                     wrong_for={"reduce_to_one"}))
@@ -212,47 +214,47 @@ class TestScoring:
                                              "hierarchical:1": [250, 253], "reduce_to_one": [10, 265]}))
         assert result.winner == "hierarchical:1" and result.num_packs == 1
         assert result.score == pytest.approx((250 * 253) ** 0.5)
-        assert result.cache_path == tune.cache_path()
-        stored = tune.lookup(h200().fingerprint(), "2.21.0", [0, 1])
+        assert result.cache_path == tune_cache.cache_path()
+        stored = tune_cache.lookup(h200().fingerprint(), "2.21.0", [0, 1])
         assert stored["candidate"] == "hierarchical:1" and stored["cross_device_ops"] == "hierarchical"
 
     def test_auto_winner_stores_what_it_resolved_to(self):
         result = tune.tune(topology=h200(), candidates="collective,auto", sizes="1M", progress=None,
                            store_result=False, spawn=fake_spawn({"collective": [1.0], "auto": [2.0]}))
         assert (result.winner, result.cross_device_ops, result.num_packs) == ("auto(nccl:1)", "nccl", 1)
-        assert result.cache_path is None and not os.path.exists(tune.cache_path())
+        assert result.cache_path is None and not os.path.exists(tune_cache.cache_path())
 
     def test_nothing_correct_stores_nothing(self):
         with pytest.raises(RuntimeError, match="nothing stored"):
             tune.tune(devices="cpu:2", candidates="collective", sizes="4K", progress=None,
                       spawn=fake_spawn({"collective": [1.0]}, wrong_for={"collective"}))
-        assert not os.path.exists(tune.cache_path())
+        assert not os.path.exists(tune_cache.cache_path())
 
     def test_xla_is_not_a_cross_device_ops_choice(self):
-        with pytest.raises(allreduce_bench.BenchError, match="'xla' is the all-reduce jit_compile=True models use"):
+        with pytest.raises(specs.BenchError, match="'xla' is the all-reduce jit_compile=True models use"):
             tune.tune(topology=h200(), candidates="nccl,xla", sizes="1M", progress=None, store_result=False,
                       spawn=fake_spawn({"nccl:1": [1.0], "xla": [2.0]}))
 
     def test_one_device_is_refused(self):
-        with pytest.raises(allreduce_bench.BenchError, match="at least 2 devices"):
+        with pytest.raises(specs.BenchError, match="at least 2 devices"):
             tune.tune(devices="cpu:1", progress=None, spawn=fake_spawn({}))
 
 
 class TestStoredChoice:
     def test_none_until_tuned(self):
-        assert tune.stored_choice(h200(), (0, 1), "2.21.0") is None
+        assert tune_cache.stored_choice(h200(), (0, 1), "2.21.0") is None
 
     def test_returns_policy_shaped_choice(self):
-        tune.store(record(fingerprint=h200().fingerprint()))
-        ops, packs, reason = tune.stored_choice(h200(), (1, 0), "2.21.0")
+        tune_cache.store(record(fingerprint=h200().fingerprint()))
+        ops, packs, reason = tune_cache.stored_choice(h200(), (1, 0), "2.21.0")
         assert (ops, packs) == ("nccl", 4)
-        assert "autotuned" in reason and "nccl:4" in reason and tune.cache_path() in reason
-        assert tune.stored_choice(h200(), (0, 1), "2.22.0") is None  # another TensorFlow: measure again
-        assert tune.stored_choice(h200(), (0,), "2.21.0") is None
+        assert "autotuned" in reason and "nccl:4" in reason and tune_cache.cache_path() in reason
+        assert tune_cache.stored_choice(h200(), (0, 1), "2.22.0") is None  # another TensorFlow: measure again
+        assert tune_cache.stored_choice(h200(), (0,), "2.21.0") is None
 
     def test_hierarchical_on_odd_gpu_count_is_not_offered(self):
-        tune.store(record(fingerprint=h200().fingerprint(), gpus=(0, 1, 2), ops="hierarchical", packs=1))
-        assert tune.stored_choice(h200(), (0, 1, 2), "2.21.0") is None
+        tune_cache.store(record(fingerprint=h200().fingerprint(), gpus=(0, 1, 2), ops="hierarchical", packs=1))
+        assert tune_cache.stored_choice(h200(), (0, 1, 2), "2.21.0") is None
 
     def test_autotune_choice_measures_once(self, monkeypatch):
         calls = []
@@ -278,13 +280,13 @@ def test_tune_end_to_end_on_cpu(cache):
     text = out.getvalue()
     assert code == 0, err.getvalue()
     assert "# skipped nccl:4: NCCL does not run on CPU devices" in text
-    assert "# tune: winner " in text and f"#   in {tune.cache_path()}" in text
-    [(key, stored)] = tune.entries().items()
+    assert "# tune: winner " in text and f"#   in {tune_cache.cache_path()}" in text
+    [(key, stored)] = tune_cache.entries().items()
     assert key.startswith(Topology().fingerprint() + "|tensorflow-") and key.endswith("|cpu:2")
     assert stored["candidate"] in ("reduce_to_one", "collective") and stored["sizes"] == [4096, 65536]
     assert set(stored["scores"]) == {"reduce_to_one", "collective"}
-    assert tune.lookup(Topology().fingerprint(), stored["tf_version"], "cpu:2") == stored
-    assert stat.S_IMODE(os.stat(tune.cache_path()).st_mode) == 0o600
+    assert tune_cache.lookup(Topology().fingerprint(), stored["tf_version"], "cpu:2") == stored
+    assert stat.S_IMODE(os.stat(tune_cache.cache_path()).st_mode) == 0o600
 
     listing = io.StringIO()
     with contextlib.redirect_stdout(listing):
@@ -301,11 +303,11 @@ def test_report_and_auto_plan_show_a_stored_winner():
     topo = h200()
     before = report.collect(topology=topo, with_tf=False)["plan"]
     assert (before["cross_device_ops"], before["num_packs"]) == ("nccl", 1)
-    tune.store(record(fingerprint=topo.fingerprint(), tf_version=tune_cache._tf_version(), ops="hierarchical", packs=2))
+    tune_cache.store(record(fingerprint=topo.fingerprint(), tf_version=tune_cache._tf_version(), ops="hierarchical", packs=2))
     after = report.collect(topology=topo, with_tf=False)["plan"]
     assert (after["cross_device_ops"], after["num_packs"]) == ("hierarchical", 2)
     assert after["reason"].startswith("autotuned on this machine: hierarchical:2")
-    facts = policy.Facts(topo, tf_gpu_count=2, tune_choice=lambda gpus: tune.stored_choice(topo, gpus))
+    facts = policy.Facts(topo, tf_gpu_count=2, tune_choice=lambda gpus: tune_cache.stored_choice(topo, gpus))
     plan, warnings = policy.decide(facts)  # what tf_nvlink.strategy() decides from the same facts
     assert (plan.cross_device_ops, plan.num_packs, plan.xla_allreduce) == ("hierarchical", 2, "fused")
     assert plan.to_dict() == {k: v for k, v in after.items() if k not in ("summary", "error", "warnings")}

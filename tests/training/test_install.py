@@ -1,4 +1,4 @@
-"""Per-replica XLA (tf_nvlink/xla/) on 2 logical CPU devices: XLA compiles for the CPU too.
+"""Per-replica XLA (tf_nvlink.training.install) on 2 logical CPU devices: XLA compiles for the CPU too.
 
 Each scenario runs in its own process: TensorFlow fixes its device list at first use and tolerates one
 MirroredStrategy per process. The stock-MirroredStrategy test reproduces TensorFlow's failure, so the passing
@@ -19,6 +19,8 @@ import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, tf_nvlink
+from tf_nvlink import internals
+from tf_nvlink.distribute import base
 from tf_nvlink.training import install
 rng = np.random.default_rng(0)
 x = rng.normal(size=(128, 8, 8, 1)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
@@ -56,7 +58,7 @@ with strategy.scope():
 history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
 loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
 predictions = model.predict(x[:10], batch_size=4, verbose=0)
-compiled = list(strategy._per_replica_functions.values())  # predict's jit function, copied per replica
+compiled = list(base.runner_of(strategy).per_replica_functions.values())  # predict's jit function, copied per replica
 print(json.dumps({"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
                   "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce,
                   "predict_copies": len(compiled)}))
@@ -106,7 +108,7 @@ print(json.dumps({"cpu_only": on_cpu, "with_gpu": bool(model2.jit_compile)}))
 
 def test_unsupported_keras_fails_loudly():
     proc, _ = _run("""
-install.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
+internals.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 with strategy.scope():
     model = build(); compile_(model)
@@ -133,27 +135,27 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
 def test_keras_internals_the_hook_relies_on():
-    """Pins what tf_nvlink/xla/ assumes of Keras; a Keras upgrade that changes these fails here first."""
+    """Pins what tf_nvlink.training.install and internals assume of Keras; a Keras upgrade that changes these fails here first."""
     import keras
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    from tf_nvlink.training import install
+    from tf_nvlink import internals
 
-    assert install.check_keras_support() is None
+    assert internals.check_keras_support() is None
     version = tuple(int(p) for p in keras.__version__.split(".")[:2])
-    assert install.TESTED_KERAS[0] <= version <= install.TESTED_KERAS[1], keras.__version__
+    assert internals.TESTED_KERAS[0] <= version <= internals.TESTED_KERAS[1], keras.__version__
     # Keras' own methods, also when an earlier test in this process installed the hooks over them.
-    make_function = inspect.getsource(install._STATE.originals.get("_make_function", TensorFlowTrainer._make_function))
+    make_function = inspect.getsource(internals._STATE.originals.get("_make_function", TensorFlowTrainer._make_function))
     assert "self.distribute_strategy.run(step_function" in make_function
     assert "jit_compile=self.jit_compile" in make_function
     assert "self._make_function(self.train_step)" in inspect.getsource(TensorFlowTrainer.make_train_function)
     assert "self._make_function(self.test_step)" in inspect.getsource(TensorFlowTrainer.make_test_function)
     assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
-    assert "Disable XLA with tf.distribute" in inspect.getsource(install._STATE.originals.get(
+    assert "Disable XLA with tf.distribute" in inspect.getsource(internals._STATE.originals.get(
         "_resolve_auto_jit_compile", TensorFlowTrainer._resolve_auto_jit_compile))
     assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
-    symbolic_build = inspect.getsource(install._STATE.originals.get("_maybe_symbolic_build",
+    symbolic_build = inspect.getsource(internals._STATE.originals.get("_maybe_symbolic_build",
                                                                 TensorFlowTrainer._maybe_symbolic_build))
     assert "self._symbolic_build(data_batch=data_batch)" in symbolic_build
     checks = inspect.getsource(keras.src.trainers.trainer.Trainer._symbolic_build)  # what fully_built() mirrors

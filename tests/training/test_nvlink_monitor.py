@@ -11,7 +11,7 @@ import pytest
 import fake_nvml
 from conftest import run_python
 from fake_nvml import FakeNvml
-from tf_nvlink.training import nvlink_monitor
+from tf_nvlink.training import nvlink_sampling
 
 from tf_nvlink.machine import nvlink_traffic
 from tf_nvlink.machine import nvml
@@ -131,7 +131,7 @@ def test_batch_reads_run_in_a_background_thread_and_a_busy_sampler_skips():
             return real_read()
 
         reader.read = slow_read
-        sampler = nvlink_monitor._BatchSampler(reader, start)
+        sampler = nvlink_sampling.BatchSampler(reader, start)
         sampler.request(0, 2, 2)  # taken by the thread, which now waits in slow_read
         for _ in range(200):
             if sampler._requests.empty():

@@ -1,4 +1,4 @@
-"""A custom loop's `jit_compile=True` step under `tf_nvlink.strategy()` on ONE GPU (tf_nvlink/xla/).
+"""A custom loop's `jit_compile=True` step under `tf_nvlink.strategy()` on ONE GPU (tf_nvlink.training.install).
 
 On 1x H200 the guide-shaped loop (a jit step calling `optimizer.apply_gradients`, passed to `strategy.run` inside
 a plain tf.function) failed with TensorFlow's "merge_call called while defining a new graph" from the optimizer's
@@ -18,10 +18,11 @@ import json, sys
 import numpy as np, tensorflow as tf
 mode = sys.argv[1]
 import dataclasses, keras
+from tf_nvlink.distribute import base
 if mode == "fused":
     strategy = fused_strategy_emulated_on_cpu(devices=("/cpu:0",))
     # the plan says "split" (as for fit on one GPU): one replica must still get the fused per-replica step
-    strategy._tf_nvlink_plan = dataclasses.replace(strategy.plan, xla_allreduce="split")
+    base.attach_plan(strategy, dataclasses.replace(strategy.plan, xla_allreduce="split"))
 else:
     strategy = tf.distribute.get_strategy()
 with strategy.scope():
@@ -46,7 +47,7 @@ x = tf.constant(rng.normal(size=(8, 4)), tf.float32)
 y = tf.constant(rng.normal(size=(8, 1)), tf.float32)
 losses = [float(train(x, y)) for _ in range(5)]
 print(json.dumps({"losses": losses, "iterations": int(optimizer.iterations.numpy()),
-                  "mode": getattr(strategy, "_custom_loop_mode", None),
+                  "mode": base.runner_of(strategy).custom_loop_mode if base.is_tf_nvlink_strategy(strategy) else None,
                   "weights": [w.ravel().tolist() for w in model.get_weights()]}))
 """
 

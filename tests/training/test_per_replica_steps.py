@@ -1,4 +1,4 @@
-"""Custom training loops with XLA under a tf_nvlink strategy (tf_nvlink/xla/, `PerReplicaCustomStep`).
+"""Custom training loops with XLA under a tf_nvlink strategy (tf_nvlink.training.install, `PerReplicaCustomStep`).
 
 The shape of TensorFlow's guide "Custom training with tf.distribute.Strategy": a `tf.function(jit_compile=True)`
 step that calls `optimizer.apply_gradients`, passed to `strategy.run` inside a plain `tf.function` loop (or

@@ -197,7 +197,9 @@ def test_keras_internals_the_sync_relies_on():
     from tf_nvlink.training import replica_sync
 
     replica_sync._install_write_recorder()
-    original = replica_sync._ORIGINAL_ASSIGN[0]
+    from tf_nvlink import internals
+
+    original = internals.keras_variable_write_original()
     assert "self._value.assign" in inspect.getsource(original)
     assert "self._direct_assign(value)" in inspect.getsource(keras.src.backend.common.variables.Variable.assign)
     assert Variable._direct_assign is not original  # the recorder is in place

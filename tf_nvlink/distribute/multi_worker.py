@@ -7,12 +7,15 @@ The jobs are split: `tf_nvlink.machine.cluster_config` parses the cluster (pure)
 collective implementation (NCCL on GPUs, RING on CPU-only workers), `tf_nvlink.distribute.rendezvous` waits for the peers
 (network). This module builds the strategy and a plan recording every worker's topology (`build_strategy`), and
 shares small facts between workers (`check_same_everywhere`). It imports TensorFlow; `tf_nvlink.machine.cluster_config` does not.
+Programs call `tf_nvlink.strategy()`, which builds this strategy when TF_CONFIG names several workers and also
+installs the training hooks (`tf_nvlink.training.install.install_training_hooks`); the example shows the parts.
 
 Example (each worker runs the same program; only TF_CONFIG's task index differs):
     >>> from tf_nvlink.machine import cluster_config, nvml; from tf_nvlink.distribute import multi_worker
     >>> config = cluster_config.parse_tf_config(os.environ.get("TF_CONFIG"))
     >>> strategy, plan = multi_worker.build_strategy(nvml.probe(), config)   # first thing in the program
     >>> os.environ.update(plan.process_env)   # what tf_nvlink.strategy() does: NCCL reads it at its first all-reduce
+    >>> install.install_training_hooks(strategy)   # from tf_nvlink.training import install; so does it
     >>> print(plan.summary())
     tf_nvlink plan: MultiWorkerMirroredStrategy, 2 workers x 2 GPU replica(s) = 4 replicas; this is worker:0 ...
 """
@@ -26,18 +29,16 @@ import socket
 from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
-from tf_nvlink.machine import tf_devices as devices_lib
+from tf_nvlink import internals
+from tf_nvlink.distribute import base
+from tf_nvlink.distribute.rendezvous import DEFAULT_PEER_TIMEOUT_S, wait_for_peers
 from tf_nvlink.machine import nvml
-# The names users and tests reach through this module, from where they live now.
-from tf_nvlink.plan import policy
-from tf_nvlink.training import install
-from tf_nvlink.machine.cluster_config import (COLLECTIVE_JOBS, JOBS, ClusterConfig, TfConfigError, loopback_nccl_env,  # noqa: F401
-                               parse_tf_config, split_address)
-from tf_nvlink.plan.policy import choose_implementation
-from tf_nvlink.distribute.rendezvous import DEFAULT_PEER_TIMEOUT_S, PeerUnreachableError, wait_for_peers  # noqa: F401
+from tf_nvlink.machine import tf_devices as devices_lib
+from tf_nvlink.machine.cluster_config import COLLECTIVE_JOBS, ClusterConfig, TfConfigError, loopback_nccl_env
 from tf_nvlink.machine.topology import Topology
+from tf_nvlink.plan import policy
+from tf_nvlink.plan.policy import choose_implementation
 
 log = logging.getLogger("tf_nvlink")
 
@@ -79,8 +80,8 @@ class WorkerInfo:
 class MultiWorkerPlan:
     """What `build_strategy` built, and why: this worker's `policy.Plan` plus the cluster.
 
-    Attributes the local `Plan` has (gpus, fingerprint, shape, devices, ...) are read through, so code written
-    for the single-host plan keeps working.
+    The properties below read the local `Plan`'s fields that code written for either plan uses (the device
+    list, the XLA mode); anything else is in `local`.
     """
 
     local: policy.Plan
@@ -93,10 +94,50 @@ class MultiWorkerPlan:
     # Environment variables this process needs before its first all-reduce (tf_nvlink.strategy() exports them).
     process_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """NVML indices of this worker's GPUs."""
+        return self.local.gpus
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """This worker's TensorFlow devices."""
+        return self.local.devices
+
+    @property
+    def fingerprint(self) -> str:
+        """This worker's topology fingerprint."""
+        return self.local.fingerprint
+
+    @property
+    def shape(self) -> str:
+        """The shape of this worker's GPUs (`Topology.kind`)."""
+        return self.local.shape
+
+    @property
+    def on_cpu(self) -> bool:
+        """True when this worker trains on its CPU (no GPU)."""
+        return self.local.on_cpu
+
+    @property
+    def cross_device_ops(self) -> str:
+        """Always "collective": MultiWorkerMirroredStrategy all-reduces with CollectiveAllReduce."""
+        return self.local.cross_device_ops
+
+    @property
+    def xla_allreduce(self) -> str:
+        """Always "split" (see `NVLinkMultiWorkerMirroredStrategy`)."""
+        return self.local.xla_allreduce
+
+    @property
+    def allreduce_dtype(self) -> str:
+        """The gradient all-reduce's dtype ("float32": the knob is single-host only)."""
+        return self.local.allreduce_dtype
+
+    @property
+    def input_buffer(self) -> int:
+        """Batches prefetched per replica (the single-host knob; its default here)."""
+        return self.local.input_buffer
 
     @property
     def num_replicas(self) -> int:
@@ -130,12 +171,12 @@ class MultiWorkerPlan:
         return record
 
 
-class NVLinkMultiWorkerMirroredStrategy(install.PerReplicaXlaStrategyMixin, install.MultiWorkerKerasReduceMixin,
+class NVLinkMultiWorkerMirroredStrategy(base.TfNvlinkStrategyMixin, internals.MultiWorkerKerasReduceMixin,
                                         tf.distribute.MultiWorkerMirroredStrategy):
     """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
-    `fit`/`evaluate` run on several workers (`install.MultiWorkerKerasReduceMixin` says how).
+    `fit`/`evaluate` run on several workers (`internals.MultiWorkerKerasReduceMixin` says how).
 
-    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink/xla/; `build_strategy` puts
+    `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink.training.install; `build_strategy` puts
     "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
     in XLA and all-reduced outside it by the strategy's collectives. Keras' own path would put the all-reduce
     inside XLA, and XLA's NCCL cannot form a clique across processes in TensorFlow: on 2x H200 both workers
@@ -143,14 +184,6 @@ class NVLinkMultiWorkerMirroredStrategy(install.PerReplicaXlaStrategyMixin, inst
     refused"), at the first step.
     """
 
-    @property
-    def plan(self) -> Optional[MultiWorkerPlan]:
-        return getattr(self, "_tf_nvlink_plan", None)
-
-
-def strategy_class():
-    """The strategy class `build_strategy` makes (kept for callers of the earlier API)."""
-    return NVLinkMultiWorkerMirroredStrategy
 
 
 def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster_resolver=None,
@@ -175,6 +208,42 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
         RuntimeError: TensorFlow already ran ops in this process, or the workers disagree on the number of GPUs
             or the collective implementation (TensorFlow would hang on the first all-reduce).
     """
+    cluster = _checked_cluster(cluster, cluster_resolver)
+    _check_program_start()
+    local_gpu_count = _local_gpu_count(tf, cluster_resolver)
+    visible = tuple(devices_lib.visible_nvml_indices(topology)[:local_gpu_count]) if topology.gpus else ()
+    options, reason, nccl_env = _communication(topology, cluster, local_gpu_count, visible)
+    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
+        log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
+    log.info("tf_nvlink: %s of %d workers at %s waits up to %g s for its peers", cluster.task,
+             cluster.worker_count, cluster.address, peer_timeout_s)
+    peer_seconds = wait_for_peers(cluster, peer_timeout_s)
+    built = _start_strategy(cluster, cluster_resolver, local_gpu_count, options)
+
+    implementation = options.implementation.name
+    shape = topology.kind(visible)  # of NVML indices (fewer than local_gpu_count only where NVML cannot map all)
+    me = WorkerInfo(task=cluster.task, address=cluster.address, hostname=socket.gethostname(),
+                    fingerprint=topology.fingerprint(), shape=shape if local_gpu_count else "none",
+                    gpu_count=local_gpu_count, implementation=implementation)
+    workers = _exchange(cluster, me, peer_timeout_s)
+    _check_agreement(workers)
+    local = policy.Plan(
+        gpus=visible, cross_device_ops="collective", num_packs=None,
+        reason=(f"MultiWorkerMirroredStrategy over {cluster.worker_count} workers ({cluster.task} here): "
+                f"CollectiveAllReduce with implementation {implementation}: {reason}"),
+        fingerprint=topology.fingerprint(), shape=shape,
+        nvlink_gbps=round(topology.min_pair_gbps(visible), 1) if len(visible) > 1 else 0.0,
+        devices=tuple(built.extended.worker_devices), xla_allreduce="split", requested=("all", "auto", None))
+    plan = MultiWorkerPlan(local=local, cluster=cluster, implementation=implementation, implementation_reason=reason,
+                           local_gpu_count=local_gpu_count, workers=workers, peer_seconds=peer_seconds,
+                           process_env=nccl_env)
+    base.attach_plan(built, plan)
+    log.info(plan.summary())
+    return built, plan
+
+
+def _checked_cluster(cluster: Optional[ClusterConfig], cluster_resolver) -> ClusterConfig:
+    """The cluster of the resolver (when given) or of TF_CONFIG; TfConfigError when there is none to join."""
     if cluster_resolver is not None:
         if not isinstance(cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
             raise ValueError(f"cluster_resolver should be a tf.distribute.cluster_resolver.ClusterResolver. "
@@ -186,52 +255,29 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     if cluster.worker_id is None:
         raise TfConfigError(f"{cluster.task} is not part of the all-reduce (only {list(COLLECTIVE_JOBS)} are); an "
                             f"evaluator should use the single-host strategy.")
-    _check_program_start()
+    return cluster
 
-    local_gpu_count = _local_gpu_count(tf, cluster_resolver)
-    visible = tuple(devices_lib.visible_nvml_indices(topology)[:local_gpu_count]) if topology.gpus else ()
+
+def _communication(topology: Topology, cluster: ClusterConfig, local_gpu_count: int, visible: tuple):
+    """(CommunicationOptions, reason, the environment NCCL needs) for this worker."""
     options, reason = communication_options(topology, local_gpu_count, visible if topology.gpus else None)
-    implementation = options.implementation.name
-    nccl_env = loopback_nccl_env(cluster) if implementation == "NCCL" else {}
+    nccl_env = loopback_nccl_env(cluster) if options.implementation.name == "NCCL" else {}
     if nccl_env:  # the caller exports plan.process_env: NCCL reads it when its communicators start
         reason += "; every worker is on this host, so NCCL bootstraps over the loopback interface " + " ".join(
             f"({key}={value})" for key, value in nccl_env.items())
-    if topology.warnings:  # one line, however many NVML calls failed (`tf-nvlink report` lists them all)
-        log.warning("tf_nvlink: %s", nvml.warnings_line(topology.warnings))
-    log.info("tf_nvlink: %s of %d workers at %s waits up to %g s for its peers", cluster.task,
-             cluster.worker_count, cluster.address, peer_timeout_s)
-    peer_seconds = wait_for_peers(cluster, peer_timeout_s)
+    return options, reason, nccl_env
 
+
+def _start_strategy(cluster: ClusterConfig, cluster_resolver, local_gpu_count: int, options):
+    """The strategy (it starts this worker's server); RuntimeError naming the worker when TensorFlow refuses."""
     resolver = cluster_resolver or tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster.cluster_spec()), task_type=cluster.task_type, task_id=cluster.task_index,
         rpc_layer=cluster.rpc_layer or "grpc", num_accelerators={"GPU": local_gpu_count} if local_gpu_count else {})
     try:
-        built = NVLinkMultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+        return NVLinkMultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     except (RuntimeError, ValueError, tf.errors.OpError) as error:
         raise RuntimeError(f"MultiWorkerMirroredStrategy could not start {cluster.task} at {cluster.address}: "
                            f"{type(error).__name__}: {error}") from error
-
-    gpus = tuple(visible)  # NVML indices (fewer than local_gpu_count only where NVML cannot map them all)
-    shape = topology.kind(gpus)
-    me = WorkerInfo(task=cluster.task, address=cluster.address, hostname=socket.gethostname(),
-                    fingerprint=topology.fingerprint(), shape=shape if local_gpu_count else "none",
-                    gpu_count=local_gpu_count, implementation=implementation)
-    workers = _exchange(cluster, me, peer_timeout_s)
-    _check_agreement(workers)
-    local = policy.Plan(
-        gpus=gpus, cross_device_ops="collective", num_packs=None,
-        reason=(f"MultiWorkerMirroredStrategy over {cluster.worker_count} workers ({cluster.task} here): "
-                f"CollectiveAllReduce with implementation {implementation}: {reason}"),
-        fingerprint=topology.fingerprint(), shape=shape,
-        nvlink_gbps=round(topology.min_pair_gbps(gpus), 1) if len(gpus) > 1 else 0.0,
-        devices=tuple(built.extended.worker_devices), xla_allreduce="split", requested=("all", "auto", None))
-    plan = MultiWorkerPlan(local=local, cluster=cluster, implementation=implementation, implementation_reason=reason,
-                           local_gpu_count=local_gpu_count, workers=workers, peer_seconds=peer_seconds,
-                           process_env=nccl_env)
-    built._tf_nvlink_plan = plan  # noqa: SLF001
-    install.enable_per_replica_xla()
-    log.info(plan.summary())
-    return built, plan
 
 
 def check_single_host_options(gpus="all", cross_device_ops="auto", num_packs=None, devices=None,
@@ -260,7 +306,7 @@ def check_single_host_options(gpus="all", cross_device_ops="auto", num_packs=Non
 
 
 def _check_program_start() -> None:
-    if getattr(context.context(), "_initialized", False):
+    if internals.tensorflow_runtime_started():
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created at program start, before any TensorFlow op runs: this "
             "process has already started TensorFlow's runtime, so the strategy can no longer start this worker's "
@@ -321,14 +367,13 @@ def _share(cluster: ClusterConfig, key: str, value, timeout_s: float):
     """Publish this worker's JSON-able `value` under `key` in the coordination service's key-value store, then
     yield (worker id, value) for every worker in worker-id order (this worker's own without a round trip), each
     waiting up to `timeout_s` for that worker to publish."""
-    ctx = context.context()
-    ctx.set_config_key_value(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
+    internals.coordination_set(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
     for worker_id in range(cluster.worker_count):
         if worker_id == cluster.worker_id:
             yield worker_id, value
         else:
-            yield worker_id, json.loads(ctx.get_config_key_value(f"{_KV_PREFIX}{key}{worker_id}",
-                                                                 int(timeout_s * 1000)))
+            yield worker_id, json.loads(internals.coordination_get(f"{_KV_PREFIX}{key}{worker_id}",
+                                                                   int(timeout_s * 1000)))
 
 
 def _check_agreement(workers: Sequence[Optional[WorkerInfo]]) -> None:

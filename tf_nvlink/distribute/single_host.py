@@ -20,22 +20,17 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from tf_nvlink.machine import tf_devices as devices_lib
+from tf_nvlink.distribute import base, multi_worker, rendezvous
+from tf_nvlink.distribute import facts as facts_lib
 from tf_nvlink.machine import cluster_config as cluster_lib
-from tf_nvlink.plan import step_options
-from tf_nvlink.distribute import multi_worker
 from tf_nvlink.machine import nvml
-from tf_nvlink.plan import policy
-from tf_nvlink.distribute import rendezvous
-from tf_nvlink.tools import tune
-from tf_nvlink.plan import tune_cache
-from tf_nvlink.training import install
+from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
+from tf_nvlink.plan import policy, step_options
 
 log = logging.getLogger("tf_nvlink")
 
-
-class NVLinkMirroredStrategy(install.PerReplicaXlaStrategyMixin, tf.distribute.MirroredStrategy):
+class NVLinkMirroredStrategy(base.TfNvlinkStrategyMixin, tf.distribute.MirroredStrategy):
     """A `tf.distribute.MirroredStrategy` that knows its plan and runs XLA per replica.
 
     Everything TensorFlow and Keras do with a MirroredStrategy works unchanged (it is one); `plan` says which
@@ -44,16 +39,12 @@ class NVLinkMirroredStrategy(install.PerReplicaXlaStrategyMixin, tf.distribute.M
 
     def __init__(self, devices: Sequence[str], cross_device_ops=None, plan: Optional[policy.Plan] = None):
         super().__init__(devices=list(devices), cross_device_ops=cross_device_ops)
-        self._tf_nvlink_plan = plan
-
-    @property
-    def plan(self) -> Optional[policy.Plan]:
-        return self._tf_nvlink_plan
+        base.attach_plan(self, plan)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """What Keras' `fit` calls: without the caller's `options`, prefetch `plan.input_buffer` batches to each
         replica's device, so the host split and the copies overlap the step (TensorFlow's default is 1)."""
-        buffer = getattr(self._tf_nvlink_plan, "input_buffer", 0)
+        buffer = getattr(self.plan, "input_buffer", 0)
         if options is None and buffer:
             options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
                                                  experimental_per_replica_buffer_size=buffer)
@@ -95,7 +86,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
              xla_allreduce: str = "auto", cluster_resolver=None,
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
-             input_buffer: Optional[int] = None) -> tf.distribute.MirroredStrategy:
+             input_buffer: Optional[int] = None,
+             autotune_choice: Optional[facts_lib.AutotuneChoice] = None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -129,6 +121,11 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             mantissa). Applies to Keras optimizers in `fit` (fused, split and without XLA).
         input_buffer: batches `experimental_distribute_dataset` (Keras `fit`) prefetches to each replica's
             device when no `InputOptions` are given (None: 2 on GPUs, TensorFlow's defaults on CPUs).
+        autotune_choice: what measures the candidates for cross_device_ops="autotune" (`tf_nvlink.strategy()`
+            passes `tf_nvlink.tools.tune.autotune_choice`); without it, "autotune" raises ValueError.
+
+    This builds the strategy only; `tf_nvlink.strategy()` also installs the training hooks (per-replica XLA,
+    BatchNorm statistics in sync), and is what programs call.
 
     Only one strategy can exist per process (TensorFlow's collectives clash otherwise): calling again with the
     same request returns the same strategy; a different request raises RuntimeError.
@@ -138,6 +135,33 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         >>> s.num_replicas_in_sync, s.plan.cross_device_ops
         (2, 'nccl')
     """
+    _check_topology_and_timeout(topology, peer_timeout_s)
+    # Checked before anything is built or recorded: a bad value costs nothing.
+    asked_knobs = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer)
+    if cross_device_ops == "autotune" and autotune_choice is None:
+        raise ValueError("cross_device_ops='autotune' measures the candidates through tf_nvlink.strategy(); "
+                         "call that, or pass autotune_choice=tf_nvlink.tools.tune.autotune_choice. Valid without "
+                         f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
+        None if cluster_resolver is None else id(cluster_resolver),)
+    with _LOCK:
+        if _CURRENT:
+            return _the_strategy_already_built(key)
+        cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
+        if cluster_resolver is not None or cluster is not None:
+            built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
+                gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
+                xla_allreduce=xla_allreduce), asked_knobs, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
+                                                                input_buffer=input_buffer))
+        else:
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs,
+                                 autotune_choice)
+        _CURRENT.update(key=key, strategy=built, plan=plan)
+    log.info(plan.summary())
+    return built
+
+
+def _check_topology_and_timeout(topology, peer_timeout_s) -> None:
     if topology is not None and not isinstance(topology, Topology):
         raise ValueError(f"topology should be a tf_nvlink Topology (tf_nvlink.probe() returns one) or None to probe "
                          f"NVML now. Received: topology={topology!r}")
@@ -145,40 +169,38 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                                        or not 0 < peer_timeout_s < float("inf")):
         raise ValueError(f"peer_timeout_s should be a positive number of seconds, or None for "
                          f"{rendezvous.DEFAULT_PEER_TIMEOUT_S} s. Received: peer_timeout_s={peer_timeout_s!r}")
-    # Checked before anything is built or recorded: a bad value costs nothing.
-    asked_knobs = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer)
-    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
-        None if cluster_resolver is None else id(cluster_resolver),)
-    with _LOCK:
-        if _CURRENT:
-            if _CURRENT["key"] == key:
-                return _CURRENT["strategy"]
-            raise RuntimeError(
-                f"tf_nvlink.strategy() was already called in this process with a different request "
-                f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
-                f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
-                f"arguments returns it), or run the other configuration in its own process.")
-        cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
-        if cluster_resolver is not None or cluster is not None:
-            multi_worker.check_single_host_options(gpus, cross_device_ops, num_packs, devices, xla_allreduce)
-            if asked_knobs != step_options.DEFAULT_REQUEST:
-                raise ValueError(f"xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
-                                 f"leave them at their defaults with several workers. Received: "
-                                 f"xla_flags={xla_flags!r}, allreduce_dtype={allreduce_dtype!r}, "
-                                 f"input_buffer={input_buffer!r}")
-            built, plan = multi_worker.build_strategy(
-                topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
-                peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
-            # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
-            os.environ.update(plan.process_env)
-        else:
-            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs)
-        _CURRENT.update(key=key, strategy=built, plan=plan)
-    log.info(plan.summary())
-    return built
 
 
-def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST):
+def _the_strategy_already_built(key):
+    """The strategy of an earlier call with the same request; RuntimeError for a different one."""
+    if _CURRENT["key"] == key:
+        return _CURRENT["strategy"]
+    raise RuntimeError(
+        f"tf_nvlink.strategy() was already called in this process with a different request "
+        f"({_CURRENT['plan'].summary()}); TensorFlow tolerates one MirroredStrategy per process (a second "
+        f"clashes on collective keys). Reuse the first strategy (tf_nvlink.strategy() with the same "
+        f"arguments returns it), or run the other configuration in its own process.")
+
+
+def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, single_host_options: dict,
+                        asked_knobs, knobs: dict):
+    """The multi-worker strategy for TF_CONFIG or a cluster resolver, once the single-host-only arguments are
+    checked to be at their defaults. Returns (strategy, plan)."""
+    multi_worker.check_single_host_options(**single_host_options)
+    if asked_knobs != step_options.DEFAULT_REQUEST:
+        raise ValueError("xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
+                         "leave them at their defaults with several workers. Received: "
+                         + ", ".join(f"{name}={value!r}" for name, value in knobs.items()))
+    built, plan = multi_worker.build_strategy(
+        topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
+        peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+    # NCCL reads these (NCCL_SOCKET_IFNAME=lo when every worker is on this host) at its first all-reduce.
+    os.environ.update(plan.process_env)
+    return built, plan
+
+
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST,
+           autotune_choice: Optional[facts_lib.AutotuneChoice] = None):
     """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
@@ -197,7 +219,8 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_knobs)
     try:
-        facts = gather_facts(topology, autotune=ops_name == "autotune", user_xla_flags=user_xla_flags)
+        facts = facts_lib.gather_facts(topology, autotune_choice=autotune_choice if ops_name == "autotune" else None,
+                                       user_xla_flags=user_xla_flags)
         plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
     except Exception:
         _set_xla_flags(user_xla_flags)  # no strategy: the provisional flags are taken back
@@ -207,7 +230,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     if devices:
         device_names = list(devices)
     elif plan.gpus:
-        device_names = devices_lib.tf_device_for(plan.gpus, devices_lib.tf_gpus(facts.topology))
+        device_names = devices_lib.tf_device_for(plan.gpus, facts_lib.tensorflow_gpus(facts.topology))
     elif facts.tf_gpu_count and (not facts.topology.gpus or facts.mig):
         # GPUs NVML does not list, or MIG instances (no NVML GPU index names them): TensorFlow's own names
         device_names = [d.name for d in tf.config.list_logical_devices("GPU")]
@@ -216,35 +239,7 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     ops = ops_instance if ops_instance is not None else build_cross_device_ops(plan, device_names)
     plan = dataclasses.replace(plan, devices=tuple(device_names))
     apply_xla_flags(plan, user_xla_flags)
-    install.install_gradient_allreduce_hook()  # one replica: no all-reduce; allreduce_dtype="bfloat16": cast around it
-    install.enable_per_replica_xla()
     return NVLinkMirroredStrategy(device_names, cross_device_ops=ops, plan=plan), plan
-
-
-def gather_facts(topology: Topology, autotune: bool = False, user_xla_flags: Optional[str] = None) -> policy.Facts:
-    """What `policy.decide` needs to know about this process: TensorFlow's GPUs, NCCL, the stored tune winner,
-    the user's `XLA_FLAGS` (default: the current value).
-
-    With `autotune`, a missing tune winner is measured (minutes, in worker processes that need the GPUs' memory:
-    `policy.decide` asks before `devices_lib.tf_gpus()` initialises them here).
-    """
-    tf_gpu_count = len(tf.config.list_physical_devices("GPU"))
-    visible = tuple(devices_lib.visible_nvml_indices(topology))
-    cause = _why_tensorflow_sees_no_gpu(visible) if topology.gpus and not tf_gpu_count else ""
-    if tf_gpu_count and topology.gpus and devices_lib.visible_needs_tensorflow(topology):
-        # Mixed GPU models, CUDA_DEVICE_ORDER unset: CUDA's indices are not NVML's, TensorFlow's PCI ids say which
-        # GPUs it sees (this initialises them before an autotune, which only a mixed machine pays).
-        visible = tuple(devices_lib.visible_from_tensorflow(devices_lib.tf_gpus(topology)))
-
-    def tune_choice(gpus):
-        if autotune:
-            return tune.autotune_choice(topology, gpus)
-        return tune_cache.stored_choice(topology, gpus)
-
-    return policy.Facts(topology=topology, visible=visible, tf_gpu_count=tf_gpu_count, no_gpu_cause=cause,
-                        nccl_available=nccl_available(), tune_choice=tune_choice,
-                        mig=tuple(devices_lib.mig_entries()),
-                        user_xla_flags=os.environ.get("XLA_FLAGS", "") if user_xla_flags is None else user_xla_flags)
 
 
 def check_devices(devices: Sequence[str], existing: Sequence[str]) -> None:
@@ -305,7 +300,7 @@ def _set_xla_flags(value: str, environ=None) -> None:
 def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_knobs):
     """The XLA flags of the plan NVML alone implies (`policy.decide` without TensorFlow's facts), set before
-    `gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
+    `facts_lib.gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
     again, or takes them back."""
     facts = policy.Facts(topology=topology, visible=tuple(devices_lib.visible_nvml_indices(topology)),
                          user_xla_flags=user_xla_flags)
@@ -314,17 +309,3 @@ def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_p
     except ValueError:
         return  # the final `decide` raises or falls back, and the flags are set then
     apply_xla_flags(early, user_xla_flags)
-
-
-def _why_tensorflow_sees_no_gpu(visible: Sequence[int]) -> str:
-    if not tf.test.is_built_with_cuda():
-        return "this TensorFlow is built without CUDA: pip install 'tensorflow[and-cuda]'"
-    hidden_by = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hidden_by is not None and not visible:
-        return f"CUDA_VISIBLE_DEVICES={hidden_by!r} hides them"
-    return ("TensorFlow could not initialise CUDA; its log above says why: with pip, 'tensorflow[and-cuda]' "
-            "installs the CUDA libraries, and the NVIDIA driver must be new enough for them")
-
-
-nccl_available = devices_lib.nccl_available  # a fact: whether TensorFlow has NCCL's GPU kernels
-without_nccl = policy.without_nccl  # the plan without NCCL lives in the policy

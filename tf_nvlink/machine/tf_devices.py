@@ -3,12 +3,14 @@
 TensorFlow numbers the GPUs CUDA shows it (`CUDA_VISIBLE_DEVICES` filters and reorders them), NVML numbers all
 of them: with `CUDA_VISIBLE_DEVICES=1,0`, TensorFlow's GPU:0 is NVML's GPU 1. The PCI bus id in device_lib's
 `physical_device_desc` is the one fact both sides share, so that is what we match on (as integers: NVML writes
-`00000000:00:06.0`, TensorFlow `0000:00:06.0`).
+`00000000:00:06.0`, TensorFlow `0000:00:06.0`). This module is pure: the descriptions come from
+`tf_nvlink.internals.tf_gpu_descs()`, which its callers (in distribute/ and tools/) pass in.
 
 Example:
+    >>> from tf_nvlink import internals
     >>> from tf_nvlink.machine import tf_devices, nvml
     >>> topo = nvml.probe()
-    >>> [(d.tf_name, d.nvml_index) for d in tf_devices.tf_gpus(topo)]
+    >>> [(d.tf_name, d.nvml_index) for d in tf_devices.map_tf_gpus(topo, internals.tf_gpu_descs())]
     [('/device:GPU:0', 0), ('/device:GPU:1', 1)]
 """
 
@@ -67,7 +69,7 @@ def visible_nvml_indices(topology: Topology, environ: Optional[Mapping[str, str]
 
     Reads `CUDA_VISIBLE_DEVICES` like CUDA does: indices or GPU-UUID prefixes, comma separated; the list ends at
     the first entry that names no GPU; unset means all GPUs, empty means none. This is the cheap answer that
-    needs no TensorFlow; `tf_gpus` checks it against TensorFlow's own PCI ids.
+    needs no TensorFlow; `map_tf_gpus` checks it against TensorFlow's own PCI ids.
 
     Example:
         >>> visible_nvml_indices(topo, {"CUDA_VISIBLE_DEVICES": "1,0"})
@@ -108,7 +110,7 @@ def visible_needs_tensorflow(topology: Topology, environ: Optional[Mapping[str, 
 
 
 def visible_from_tensorflow(mapped: Iterable[TfGpu]) -> list[int]:
-    """NVML indices of the GPUs TensorFlow sees, in its order, from their PCI bus ids (`tf_gpus`)."""
+    """NVML indices of the GPUs TensorFlow sees, in its order, from their PCI bus ids (`map_tf_gpus`)."""
     return [gpu.nvml_index for gpu in mapped if gpu.nvml_index is not None]
 
 
@@ -130,20 +132,8 @@ def _resolve_visible_entry(topology: Topology, entry: str) -> Optional[int]:
     return None  # MIG-... or garbage: not a whole GPU we can map
 
 
-def tf_gpu_descs() -> list[tuple[str, str]]:
-    """(name, physical_device_desc) of every GPU TensorFlow sees, through device_lib (initialises the GPUs)."""
-    from tensorflow.python.client import device_lib  # noqa: PLC0415 - TensorFlow only when asked
-
-    return [(d.name, d.physical_device_desc) for d in device_lib.list_local_devices() if d.device_type == "GPU"]
-
-
-def tf_gpus(topology: Topology) -> list[TfGpu]:
-    """TensorFlow's GPUs, each with its NVML index (imports TensorFlow)."""
-    return map_tf_gpus(topology, tf_gpu_descs())
-
-
 def tf_device_for(nvml_indices: Iterable[int], mapped: list[TfGpu]) -> list[str]:
-    """TensorFlow device names ("/gpu:1") for NVML indices, given the mapping from `tf_gpus`.
+    """TensorFlow device names ("/gpu:1") for NVML indices, given the mapping from `map_tf_gpus`.
 
     Raises ValueError naming the GPUs TensorFlow cannot see (hidden by CUDA_VISIBLE_DEVICES, say).
     """
@@ -156,14 +146,3 @@ def tf_device_for(nvml_indices: Iterable[int], mapped: list[TfGpu]) -> list[str]
                          f"NVML GPUs {seen} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). "
                          f"Choose among {seen}.")
     return [f"/gpu:{by_nvml[i].tf_index}" for i in wanted]
-
-
-def nccl_available() -> bool:
-    """True when this TensorFlow build has NCCL's GPU kernels (CUDA builds do; CPU-only and ROCm ones may not).
-    Imports TensorFlow."""
-    from tensorflow.python.framework import kernels  # noqa: PLC0415 - TensorFlow stays lazy here
-
-    try:
-        return any(k.device_type == "GPU" for k in kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
-    except Exception:  # noqa: BLE001 - an op TensorFlow does not know at all: no NCCL
-        return False

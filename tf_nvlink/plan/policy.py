@@ -19,8 +19,8 @@ from typing import Callable, Optional, Sequence
 from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.plan import step_options
 from tf_nvlink.machine import nvml
-from tf_nvlink.plan.cube_mesh import cube_mesh_order, is_dgx1_like, replica_order  # noqa: F401 (policy.*)
-from tf_nvlink.plan.gpu_request import GpuSpec, auto_gpus, gpu_indices, parse_gpus  # noqa: F401 (policy.*)
+from tf_nvlink.plan.cube_mesh import cube_mesh_order, replica_order
+from tf_nvlink.plan.gpu_request import GpuSpec, gpu_indices, parse_gpus
 from tf_nvlink.machine.topology import Topology
 
 # The cross-device ops a user can name, mapped to what TensorFlow calls them.
@@ -34,7 +34,7 @@ OPS = {
 OPS_CHOICES = ("auto", "autotune") + tuple(OPS)
 # Ops that pack gradients into `num_packs` buffers (tf.distribute.AllReduceCrossDeviceOps).
 PACKED_OPS = ("nccl", "hierarchical")
-# How a jit_compile=True model all-reduces its gradients (see tf_nvlink/xla/).
+# How a jit_compile=True model all-reduces its gradients (see tf_nvlink.training.install).
 XLA_ALLREDUCE_CHOICES = ("auto", "fused", "split")
 
 
@@ -54,7 +54,7 @@ class Plan:
     shape: str  # Topology.kind(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
     nvlink_gbps: float  # slowest pair's NVLink GB/s per direction (0 without NVLink)
     devices: tuple[str, ...] = ()
-    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see tf_nvlink/xla/)
+    xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see tf_nvlink.training.install)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
     xla_flags: tuple[str, ...] = ()  # step knobs (tf_nvlink/step_options.py): flags tf_nvlink adds to XLA_FLAGS,
     xla_flags_kept: tuple[str, ...] = ()  # the user's XLA_FLAGS entries that won over a planned flag,

@@ -2,7 +2,7 @@
 
 `policy.decide` chooses them (through `choose_knobs`, with the user's `XLA_FLAGS` from `policy.Facts`);
 `tf_nvlink/strategies.py` applies them (XLA_FLAGS before TensorFlow initialises its GPUs, `InputOptions` in
-`experimental_distribute_dataset`, the bfloat16 hook in `tf_nvlink/xla/private.py`); `tf-nvlink report` shows them.
+`experimental_distribute_dataset`, the bfloat16 hook in `tf_nvlink.training.gradient_allreduce`); `tf-nvlink report` shows them.
 
 Example:
     >>> from tf_nvlink.plan import step_options

@@ -32,7 +32,7 @@ from tf_nvlink.util import atomic_files
 
 from tf_nvlink.plan import policy
 from tf_nvlink.util.atomic_files import write_atomic
-from tf_nvlink.tools.allreduce_bench.specs import MAX_PACKS, MAX_SIZE, format_size
+from tf_nvlink.plan.allreduce_sizes import MAX_PACKS, MAX_SIZE, format_size
 from tf_nvlink.util.text import strict_loads
 
 try:

@@ -19,11 +19,11 @@ import os
 from typing import Any, Mapping, Optional
 
 import tf_nvlink
+from tf_nvlink.distribute import facts as facts_lib
 from tf_nvlink.machine import tf_devices
 from tf_nvlink.plan import step_options
 from tf_nvlink.machine import nvlink_traffic
 from tf_nvlink.plan import policy
-from tf_nvlink.plan import tune_cache
 from tf_nvlink.machine.nvml import probe as nvml_probe
 from tf_nvlink.util.text import table
 from tf_nvlink.machine.topology import RemoteType, Topology
@@ -70,8 +70,11 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
         rates = sorted({link.gbps for link in gpu.active_links})
         record["link_gbps"] = rates[0] if len(rates) == 1 else None  # None: no links, or links of mixed speed
         record["reaches"] = _reaches(topology, gpu)
-    data["tensorflow"] = _collect_tf(topology, environ) if with_tf else {"checked": False}
-    facts = _facts(topology, visible, data["tensorflow"], environ.get("XLA_FLAGS", ""))
+    data["tensorflow"], tf_gpus = _collect_tf(topology, environ) if with_tf else ({"checked": False}, None)
+    # The strategy's own gatherer: without TensorFlow, the CUDA_VISIBLE_DEVICES prediction; with it, its GPUs.
+    facts = facts_lib.gather_facts(topology, tensorflow=with_tf, tf_gpus=tf_gpus, environ=environ,
+                                   user_xla_flags=environ.get("XLA_FLAGS", ""),
+                                   no_gpu_cause=data["tensorflow"].get("problem") or "see TensorFlow's view above")
     data["plan"] = _plan_record(plan) if plan is not None else _make_plan(facts, "all")
     data["auto_plan"] = _make_plan(facts, "auto")
     return data
@@ -114,23 +117,6 @@ def _plan_record(plan: Any) -> dict:
     return record
 
 
-def _facts(topology: Topology, visible: list[int], tf_section: dict, user_xla_flags: str = "") -> policy.Facts:
-    """The facts `tf_nvlink.strategy()` would gather, as far as the report knows them (TensorFlow's only when
-    it was asked: without it, TensorFlow is assumed to see the GPUs NVML and CUDA_VISIBLE_DEVICES leave)."""
-    tf_gpu_count = nccl = None
-    if tf_section.get("checked"):
-        tf_gpu_count = len(tf_section["gpus"])
-        if tf_gpu_count:
-            try:
-                nccl = tf_devices.nccl_available()
-            except ImportError:  # TensorFlow's internals missing: unknown, as without TensorFlow
-                nccl = None
-    return policy.Facts(topology=topology, visible=tuple(visible), tf_gpu_count=tf_gpu_count,
-                        no_gpu_cause=tf_section.get("problem") or "see TensorFlow's view above",
-                        nccl_available=nccl, tune_choice=lambda gpus: tune_cache.stored_choice(topology, gpus),
-                        mig=tuple(tf_devices.mig_entries()), user_xla_flags=user_xla_flags)
-
-
 def _make_plan(facts: policy.Facts, gpus: str) -> dict:
     """The plan `tf_nvlink.strategy(gpus=gpus)` builds from these facts: the same `policy.decide` call."""
     try:
@@ -149,29 +135,30 @@ def _import_tensorflow():
     return tf
 
 
-def _collect_tf(topology: Topology, environ: Mapping[str, str]) -> dict:
+def _collect_tf(topology: Topology, environ: Mapping[str, str]) -> tuple[dict, list]:
+    """TensorFlow's view for the report, and its GPUs mapped to NVML's (empty when it could not list them)."""
     section: dict = {"checked": True, "version": None, "built_with_cuda": None, "problem": None, "gpus": [],
                      "unmapped": [], "hidden_nvml": [], "notes": []}
     try:
         tf = _import_tensorflow()
     except Exception as exc:  # noqa: BLE001 - a broken install raises all sorts (ImportError, AttributeError...)
         section["problem"] = f"TensorFlow cannot be imported ({type(exc).__name__}: {exc}); TensorFlow's view skipped"
-        return section
+        return section, []
     section["version"] = getattr(tf, "__version__", None)
     try:
         section["built_with_cuda"] = bool(tf.test.is_built_with_cuda())
     except Exception as exc:  # noqa: BLE001
         section["problem"] = f"TensorFlow cannot say whether it has GPU support ({type(exc).__name__}: {exc})"
-        return section
+        return section, []
     if not section["built_with_cuda"]:
         section["problem"] = (f"TensorFlow {section['version']} has no GPU support (tf.test.is_built_with_cuda() "
                               "is False): it runs on the CPU only; on Linux, pip install 'tensorflow[and-cuda]'")
-        return section
+        return section, []
     try:
-        mapped = tf_devices.tf_gpus(topology)
+        mapped = facts_lib.tensorflow_gpus(topology)
     except Exception as exc:  # noqa: BLE001 - device_lib can fail on a half-installed CUDA
         section["problem"] = f"TensorFlow could not list its GPUs ({type(exc).__name__}: {exc})"
-        return section
+        return section, []
     section["gpus"] = [{"tf_name": g.tf_name, "tf_index": g.tf_index, "name": g.name,
                         "pci_bus_id": str(g.pci_bus_id) if g.pci_bus_id else None,
                         "compute_capability": g.compute_capability, "nvml_index": g.nvml_index,
@@ -183,7 +170,7 @@ def _collect_tf(topology: Topology, environ: Mapping[str, str]) -> dict:
     if not section["unmapped"] and seen != predicted:
         section["notes"].append(f"CUDA_VISIBLE_DEVICES predicts NVML GPUs {predicted} in TensorFlow's order, but "
                                 f"TensorFlow's PCI bus ids say {seen}; tf_nvlink goes by the PCI bus ids")
-    return section
+    return section, mapped
 
 
 # ---- render ----------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ Example:
     >>> result = tune.tune(gpus="0,1")                 # minutes: one worker process per candidate
     >>> result.winner, round(result.score)
     ('nccl:1', 231)
-    >>> tune.stored_choice(tf_nvlink.probe(), (0, 1))  # what "auto" can use from now on
+    >>> tune_cache.stored_choice(tf_nvlink.probe(), (0, 1))  # what "auto" can use from now on
     ('nccl', 1, 'autotuned on this machine: nccl:1 measured fastest ...')
 """
 
@@ -36,19 +36,17 @@ import sys
 from typing import Optional, Sequence, TextIO
 
 import tf_nvlink
-from tf_nvlink.tools import allreduce_bench
-from tf_nvlink.plan import policy
+from tf_nvlink.plan import allreduce_sizes, policy
+from tf_nvlink.plan.tune_cache import (CacheError, cache_path, cache_unusable_reason, entries, gpus_key, make_key,
+                                       store, stored_choice, validate_record)
+from tf_nvlink.tools.allreduce_bench import cli, render, runner, specs
 from tf_nvlink.util.cli_args import argtype, command_line, usage_error
-# The cache's names stay reachable here (`tune.store`, `tune.lookup`, ...): tune is what users import.
-from tf_nvlink.plan.tune_cache import (CACHE_FILE, FORMAT_VERSION, MAX_CACHE_BYTES, CacheError, cache_dir,  # noqa: F401
-                                  cache_path, cache_unusable_reason, entries, gpus_key, lookup, make_key, store,
-                                  stored_choice, validate_record)
-from tf_nvlink.util.text import strict_loads, write_failure  # noqa: F401 (strict_loads: re-exported)
+from tf_nvlink.util.text import write_failure
 
 log = logging.getLogger("tf_nvlink")
 
 HELP = "measure the all-reduce candidates at your model's sizes and store the fastest for this machine"
-DEFAULT_SIZES = (16 * allreduce_bench.MIB, 256 * allreduce_bench.MIB)
+DEFAULT_SIZES = (16 * allreduce_sizes.MIB, 256 * allreduce_sizes.MIB)
 DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one"
 NOT_CROSS_DEVICE_OPS = ("xla",)  # bench candidates that are not a cross_device_ops choice tune could store
 METRIC = "geometric mean over sizes of busbw (GB/s)"
@@ -70,11 +68,11 @@ class TuneResult:
     records: list[dict]  # tf_nvlink.tools.allreduce_bench records
     record: dict
     key: str
-    target: allreduce_bench.Target
+    target: specs.Target
     cache_path: Optional[str] = None  # set when stored
 
     def summary(self) -> str:
-        sizes = ", ".join(allreduce_bench.format_size(s) for s in self.sizes)
+        sizes = ", ".join(allreduce_sizes.format_size(s) for s in self.sizes)
         return f"{self.winner} is fastest: {self.score:.2f} GB/s busbw (geometric mean over {sizes})"
 
 
@@ -83,15 +81,15 @@ def tuning_sizes(sizes=None, grad_bytes: Optional[int] = None) -> list[int]:
     16 MiB and 256 MiB when neither is known."""
     chosen: set[int] = set()
     if sizes:
-        chosen.update(allreduce_bench.parse_sizes(sizes) if isinstance(sizes, str) else
-                      (allreduce_bench.parse_size(s) if isinstance(s, str) else int(s) for s in sizes))
+        chosen.update(specs.parse_sizes(sizes) if isinstance(sizes, str) else
+                      (specs.parse_size(s) if isinstance(s, str) else int(s) for s in sizes))
     if grad_bytes is not None:
         if isinstance(grad_bytes, bool) or not isinstance(grad_bytes, int) or grad_bytes <= 0:
-            raise allreduce_bench.BenchError(f"grad_bytes should be a positive number of bytes. Received: {grad_bytes!r}")
-        chosen.add(-(-grad_bytes // allreduce_bench.DTYPE_BYTES) * allreduce_bench.DTYPE_BYTES)
-    bad = [s for s in chosen if s <= 0 or s % allreduce_bench.DTYPE_BYTES]
+            raise specs.BenchError(f"grad_bytes should be a positive number of bytes. Received: {grad_bytes!r}")
+        chosen.add(-(-grad_bytes // specs.DTYPE_BYTES) * specs.DTYPE_BYTES)
+    bad = [s for s in chosen if s <= 0 or s % specs.DTYPE_BYTES]
     if bad:
-        raise allreduce_bench.BenchError(f"sizes should be positive multiples of {allreduce_bench.DTYPE_BYTES} bytes. Received: {bad}")
+        raise specs.BenchError(f"sizes should be positive multiples of {specs.DTYPE_BYTES} bytes. Received: {bad}")
     return sorted(chosen) if chosen else list(DEFAULT_SIZES)
 
 
@@ -105,11 +103,11 @@ def score_candidates(records: Sequence[dict], sizes: Sequence[int]) -> tuple[dic
         for size in sizes:
             row = rows.get(size)
             if row is None or row["status"] == "failed":
-                problems.append(f"failed at {allreduce_bench.format_size(size)}" + (f": {row['error']}" if row else ""))
+                problems.append(f"failed at {allreduce_sizes.format_size(size)}" + (f": {row['error']}" if row else ""))
             elif row["status"] == "wrong":
-                problems.append(f"{row['wrong']} wrong elements at {allreduce_bench.format_size(size)}")
+                problems.append(f"{row['wrong']} wrong elements at {allreduce_sizes.format_size(size)}")
             elif not row["busbw"] or row["busbw"] <= 0:
-                problems.append(f"no bandwidth at {allreduce_bench.format_size(size)}")
+                problems.append(f"no bandwidth at {allreduce_sizes.format_size(size)}")
         if problems:
             disqualified[label] = "; ".join(problems)
             continue
@@ -128,27 +126,27 @@ def tune(gpus="all", sizes=None, grad_bytes: Optional[int] = None, *, candidates
         sizes: all-reduce sizes (bytes or "16M" strings); default 16 MiB and 256 MiB, or only the gradient size
             when `grad_bytes` is given.
         grad_bytes: the model's total gradient bytes (sum of trainable variables' sizes), if known.
-        candidates: labels or allreduce_bench.Candidate objects; default DEFAULT_CANDIDATES (those valid here run).
+        candidates: labels or specs.Candidate objects; default DEFAULT_CANDIDATES (those valid here run).
         devices: "gpu", or "cpu:N" for N logical CPU devices (tests).
-        spawn: the worker runner (tests inject fakes); default allreduce_bench.spawn_worker.
+        spawn: the worker runner (tests inject fakes); default runner.spawn_worker.
 
-    Raises allreduce_bench.BenchError for requests that cannot run, RuntimeError when no candidate measured correctly.
+    Raises specs.BenchError for requests that cannot run, RuntimeError when no candidate measured correctly.
     Call it before this process initialises its GPUs with TensorFlow: the workers need the GPUs' memory.
     """
-    target = allreduce_bench.resolve_target(devices, gpus, topology)
+    target = specs.resolve_target(devices, gpus, topology)
     if target.n < 2:
-        raise allreduce_bench.BenchError(f"tuning needs at least 2 devices; {target.describe()} has {target.n}, where no "
+        raise specs.BenchError(f"tuning needs at least 2 devices; {target.describe()} has {target.n}, where no "
                                f"all-reduce happens.")
     chosen_sizes = tuning_sizes(sizes, grad_bytes)
-    chosen = allreduce_bench.parse_candidates(candidates or DEFAULT_CANDIDATES) if candidates is None or isinstance(
-        candidates, str) else [c if isinstance(c, allreduce_bench.Candidate) else allreduce_bench.parse_candidate(c) for c in candidates]
+    chosen = specs.parse_candidates(candidates or DEFAULT_CANDIDATES) if candidates is None or isinstance(
+        candidates, str) else [c if isinstance(c, specs.Candidate) else specs.parse_candidate(c) for c in candidates]
     not_ops = [c.label for c in chosen if c.name in NOT_CROSS_DEVICE_OPS]
     if not_ops:
-        raise allreduce_bench.BenchError(
+        raise specs.BenchError(
             f"tune picks cross_device_ops, and {', '.join(not_ops)} is not one: 'xla' is the all-reduce "
             f"jit_compile=True models use whatever the ops (measure it with tf-nvlink bench). Valid candidates: "
             f"collective, nccl[:PACKS], hierarchical[:PACKS], reduce_to_one, auto.")
-    records, skipped = allreduce_bench.measure(chosen, target, chosen_sizes, iters=iters, warmup=warmup, repeats=repeats,
+    records, skipped = runner.measure(chosen, target, chosen_sizes, iters=iters, warmup=warmup, repeats=repeats,
                                      env=env, timeout=timeout, progress=progress, spawn=spawn)
     scores, disqualified = score_candidates(records, chosen_sizes)
     if not scores:
@@ -205,8 +203,8 @@ def autotune_choice(topology, gpus: Sequence[int], grad_bytes: Optional[int] = N
 # ------------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `tf-nvlink tune` options."""
-    allreduce_bench.add_common_arguments(parser, DEFAULT_CANDIDATES, None)
-    parser.add_argument("--grad_bytes", "--grad-bytes", dest="grad_bytes", type=argtype(allreduce_bench.parse_size),
+    cli.add_common_arguments(parser, DEFAULT_CANDIDATES, None)
+    parser.add_argument("--grad_bytes", "--grad-bytes", dest="grad_bytes", type=argtype(specs.parse_size),
                         default=None, help="the model's total gradient size (e.g. 98M for ResNet-50 in float32); "
                                            "measured instead of the default sizes")
     parser.add_argument("--nostore", "--no-store", dest="store", action="store_false",
@@ -236,11 +234,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     store_error = None
     try:
-        env = allreduce_bench.parse_env(args.env)
+        env = specs.parse_env(args.env)
         if args.store:
             problem = cache_unusable_reason(cache_path())
             if problem:  # now, not after minutes of measuring
-                raise allreduce_bench.BenchError(f"the autotune cache {cache_path()} cannot be written: {problem}. Set "
+                raise specs.BenchError(f"the autotune cache {cache_path()} cannot be written: {problem}. Set "
                                        f"TF_NVLINK_CACHE_DIR to a writable folder, or pass --nostore.")
         result = tune(gpus=args.gpus, sizes=args.sizes, grad_bytes=args.grad_bytes, candidates=args.candidates,
                       devices=args.devices, iters=args.iters, warmup=args.warmup, repeats=args.repeats, env=env,
@@ -251,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                 result.cache_path = cache_path()
             except (OSError, CacheError) as exc:  # the folder changed while measuring: keep the measurement
                 store_error = write_failure("tf-nvlink tune", "store the winner in", str(cache_path()), exc)
-    except allreduce_bench.BenchError as exc:
+    except specs.BenchError as exc:
         return usage_error(args, str(exc))
     except RuntimeError as exc:
         print(f"tf-nvlink tune: {exc}", file=sys.stderr)
@@ -272,8 +270,8 @@ def _print_result(args: argparse.Namespace, result: TuneResult, env: dict) -> in
                           "skipped": [list(s) for s in result.skipped], "sizes": result.sizes, "key": result.key,
                           "cache_path": result.cache_path, "record": result.record, "records": result.records},
                          indent=1, allow_nan=False))
-        return allreduce_bench.exit_code(result.records)
-    text = allreduce_bench.render_text(command_line(args), result.target, result.records, result.skipped, args.iters,
+        return render.exit_code(result.records)
+    text = render.render_text(command_line(args), result.target, result.records, result.skipped, args.iters,
                              args.warmup, args.repeats, env, title="tf-nvlink tune")
     ranking = ", ".join(f"{label} {score:.2f}" for label, score in
                         sorted(result.scores.items(), key=lambda item: -item[1]))
@@ -291,7 +289,7 @@ def _print_result(args: argparse.Namespace, result: TuneResult, env: dict) -> in
     else:
         lines.append(f"# not stored (--nostore); the cache is {cache_path()}")
     sys.stdout.write(text + "#\n" + "\n".join(lines) + "\n")
-    return allreduce_bench.exit_code(result.records)
+    return render.exit_code(result.records)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -15,9 +15,8 @@ from typing import NamedTuple, Optional
 
 import keras
 
+from tf_nvlink import internals
 from tf_nvlink.util import atomic_files
-
-from tf_nvlink.training import install
 from tf_nvlink.util.text import strict_loads
 
 
@@ -89,7 +88,7 @@ def read_backup(directory) -> Optional[Backup]:
     return Backup(epochs_done, weights)
 
 
-class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
+class AtomicBackupAndRestore(internals.backup_and_restore_base()):
     """keras.callbacks.BackupAndRestore whose backup is usable whenever the process dies, even by SIGKILL.
 
     Keras rewrites backup/latest.weights.h5 and then training_metadata.json in place: a kill during either write
@@ -105,24 +104,24 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         super().__init__(backup_dir=directory, save_freq="epoch", delete_checkpoint=False)
         self.write = write  # False on the non-chief workers of a multi-worker run: they resume, the chief writes
 
-    def _load_model(self):
+    def load_backup(self):
         backup = read_backup(self.backup_dir)
         if backup is None:
             return
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)  # so the optimizer's state loads too
         self.model.load_weights(os.path.join(self.backup_dir, backup.weights))
-        install.set_initial_epoch(self.model, backup.epochs_done)  # what keras.callbacks.BackupAndRestore does
+        internals.set_initial_epoch(self.model, backup.epochs_done)  # what keras.callbacks.BackupAndRestore does
 
-    def _save_model(self):
+    def save_backup(self, epoch: int, metadata_path: str):
         if not self.write:
             return
         os.makedirs(self.backup_dir, exist_ok=True)
-        weights = f"epoch_{self._current_epoch:04d}.weights.h5"
+        weights = f"epoch_{epoch:04d}.weights.h5"
         with atomic_files.atomic_path(os.path.join(self.backup_dir, weights), suffix=".weights.h5") as partial:
             self.model.save_weights(partial)
-        metadata = {"epoch": self._current_epoch, "batch": 0, "weights": weights}
-        atomic_files.write_atomic(self._training_metadata_path, json.dumps(metadata) + "\n", mode=None)
+        metadata = {"epoch": epoch, "batch": 0, "weights": weights}
+        atomic_files.write_atomic(metadata_path, json.dumps(metadata) + "\n", mode=None)
         for name in os.listdir(self.backup_dir):  # only now: until the rename above, the old pair is the backup
             if name != weights and (_BACKUP_WEIGHTS.fullmatch(name) or (name.startswith(".") and ".tmp" in name)):
                 os.remove(os.path.join(self.backup_dir, name))

@@ -5,7 +5,7 @@ spans all replicas and TensorFlow fails with "Trying to access resource .../repl
 from device GPU:0" (and for `jit_compile="auto"` Keras simply turns XLA off under any strategy, which costs 4.6x
 on ResNet-50). The fix has two parts:
 
-1. `PerReplicaXlaStrategyMixin.run` gives each replica its own compiled copy (`PerReplicaCustomStep`) of any
+1. `PerReplicaRunner` (attached to the strategy's `run`) gives each replica its own compiled copy (`PerReplicaCustomStep`) of any
    `jit_compile=True` tf.function passed to `strategy.run`: Keras' predict step, and custom training loops in
    the shape of TensorFlow's guide (a jit step calling `optimizer.apply_gradients`, passed to `strategy.run`
    inside a plain tf.function or eagerly), fused or split like fit below. A `tf.function(jit_compile=True)`
@@ -30,26 +30,10 @@ a multi-replica tf_nvlink strategy raises `UnsupportedKerasError` instead of fai
 Split mode cannot hold anything else that merges across replicas inside the step (SyncBatchNorm,
 `replica_context.all_reduce`): that raises `CrossReplicaCallInXlaError`, which names the ways out.
 
-Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`; `reset_hooks_for_tests()`):
-- `TensorFlowTrainer._make_function` (replaced): keep XLA off the function spanning the replicas, run the step
-  per replica.
-- `TensorFlowTrainer._resolve_auto_jit_compile` (replaced): Keras turns "auto" XLA off under any strategy.
-- `TensorFlowTrainer._maybe_symbolic_build` (skipped once the model, its compiled loss and metrics and its
-  optimizer are built): under any strategy Keras makes a distributed iterator at every `fit`/`evaluate` call to
-  take one batch and average it across replicas, and then finds nothing to build. Making that iterator
-  (TensorFlow's MultiDeviceIterator traces its functions each time) took about 100 ms per call on a CPU.
-- `TFOptimizer._all_reduce_sum_gradients` (replaced, `allreduce.py`): no all-reduce for one replica; bfloat16.
-- `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced): while a per-replica custom-loop step is traced
-  in this thread, catch the update (split) or keep step counters per replica (fused); an optimizer not built
-  yet stops that trace and is built outside it (`optimizer.build`, `optimizer.built`). Otherwise pass-through,
-  except that a LossScaleOptimizer under a tf_nvlink strategy all-reduces its finite check (Keras keeps
-  replica 0's, so another replica's overflow reached the weights as NaN).
-- `optimizer.apply` / `optimizer.check_finite` (instance attributes, only while one replica's step is traced or
-  its update applied): fit's split catch; the all-reduced finite check.
-- `optimizer._trainable_variables`, a mirrored variable's `_value` and `_get_on_device_or_primary()`
-  (`_replica_local`): the replica's own copy of an ONLY_FIRST_REPLICA counter.
-- `tf.function`'s `python_function`, `_jit_compile`, `_autograph`: recompile a user's jit function per replica.
-- `control_flow_util.GraphOrParentsInXlaContext`: detect `strategy.run` inside a jit function.
+The Keras/TensorFlow internals these hooks replace or read are all in `tf_nvlink.internals`, each with its reason
+(trainer methods, the optimizers' `apply`, `TFOptimizer._all_reduce_sum_gradients`, a tf.function's jit flag).
+
+`install_training_hooks(strategy)` is what `tf_nvlink.strategy()` calls on every strategy it builds.
 
 `jit_compile="auto"` under a tf_nvlink strategy means XLA when Keras' own rule would enable it without a
 strategy (the model's layers support XLA and a GPU is present); on CPU-only machines it stays off, as in Keras.
@@ -57,167 +41,128 @@ strategy (the model's layers support XLA and a GPU is present); on CPU-only mach
 
 from __future__ import annotations
 
+from typing import Callable
+
 import tensorflow as tf
 
-from tf_nvlink.training import replica_sync
 from tf_nvlink import internals
-from tf_nvlink.internals import (TESTED_KERAS, _STATE, CrossReplicaCallInXlaError,  # noqa: F401
-                                   HookState, MultiWorkerKerasReduceMixin, UnsupportedKerasError,
-                                   _in_xla_context, _install_optimizer_hooks, _keras_trainer_class,
-                                   check_keras_support, fused_allreduce_possible, log,
-                                   reset_hooks_for_tests,
-                                   set_initial_epoch, uninstall_keras_hooks)
-from tf_nvlink.training.gradient_allreduce import install_gradient_allreduce_hook
+from tf_nvlink.distribute import base
+from tf_nvlink.training import gradient_allreduce, replica_sync
 from tf_nvlink.training.per_replica_steps import PerReplicaCustomStep, PerReplicaXlaStep
 
-__all__ = ["TESTED_KERAS", "CrossReplicaCallInXlaError", "HookState", "MultiWorkerKerasReduceMixin",
-           "PerReplicaCustomStep", "PerReplicaXlaStep", "PerReplicaXlaStrategyMixin", "UnsupportedKerasError",
-           "check_keras_support", "enable_per_replica_xla", "fused_allreduce_possible",
-           "install_gradient_allreduce_hook", "install_keras_hooks",
-           "reset_hooks_for_tests", "set_initial_epoch", "uninstall_keras_hooks"]
+log = internals.log
 
 
-def _is_tf_nvlink(strategy) -> bool:
-    return isinstance(strategy, PerReplicaXlaStrategyMixin)
+def install_training_hooks(strategy) -> None:
+    """Everything tf_nvlink changes in Keras for `strategy` (a tf_nvlink strategy just built): the gradient
+    all-reduce, the trainer hooks (per-replica XLA, BatchNorm statistics kept in sync) and the per-replica
+    `strategy.run`. Calling it again for the same strategy changes nothing.
+
+    Example:
+        >>> built = single_host.strategy(devices=["/cpu:0", "/cpu:1"])
+        >>> install_training_hooks(built)     # tf_nvlink.strategy() does both
+    """
+    gradient_allreduce.install_gradient_allreduce_hook()  # one replica: no all-reduce; bfloat16: cast around it
+    enable_per_replica_xla()
+    if base.runner_of(strategy) is None:
+        base.attach_runner(strategy, PerReplicaRunner(strategy))
 
 
 def _per_replica_wanted(model) -> bool:
-    strategy = model.distribute_strategy
-    return (_is_tf_nvlink(strategy) and strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
+    return (model.distribute_strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
             and not model.run_eagerly)
+
+
+def _make_function(model, step_function: Callable, keras_make_function: Callable):
+    """The train/test function of a model under a tf_nvlink strategy (see the module doc)."""
+    if not _per_replica_wanted(model):  # replica_sync.keep_replicas_in_sync: BatchNorm statistics
+        return keras_make_function(replica_sync.keep_replicas_in_sync(model, step_function))
+    kind = "train" if step_function == model.train_step else "test"
+    strategy = model.distribute_strategy
+    step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))
+    if model.steps_per_execution > 1 and internals.fused_allreduce_possible(strategy) \
+            and strategy.xla_allreduce == "fused":
+        return internals.unrolled_steps_function(model, step)  # Keras' multi-step loop fails without merge_call
+    return keras_make_function(step, outer_jit=False)  # the function spanning the replicas: no one XLA cluster
 
 
 def install_keras_hooks() -> str | None:
     """Install the trainer hooks once; returns None when installed, else why not (and nothing is changed)."""
-    with _STATE.lock:
-        if _STATE.originals:
-            return None
-        problem = check_keras_support()
-        if problem:
-            return problem
-        trainer = _keras_trainer_class()
-        _STATE.originals["_make_function"] = trainer._make_function
-        _STATE.originals["_resolve_auto_jit_compile"] = trainer._resolve_auto_jit_compile
-
-        def _make_function(self, step_function):
-            if not _is_tf_nvlink(self.distribute_strategy):
-                return _STATE.originals["_make_function"](self, step_function)
-            if not _per_replica_wanted(self):  # replica_sync.keep_replicas_in_sync: issue 18, BatchNorm statistics
-                return _STATE.originals["_make_function"](self, replica_sync.keep_replicas_in_sync(self, step_function))
-            kind = "train" if step_function == self.train_step else "test"
-            strategy = self.distribute_strategy
-            step = replica_sync.keep_replicas_in_sync(self, PerReplicaXlaStep(self, step_function, kind))
-            if self.steps_per_execution > 1 and internals.fused_allreduce_possible(strategy) \
-                    and strategy.xla_allreduce == "fused":
-                return internals.unrolled_steps_function(self, step)  # Keras' multi-step loop fails without merge_call
-            saved = self._jit_compile
-            self._jit_compile = False  # the function spanning the replicas must not be one XLA cluster
-            try:
-                return _STATE.originals["_make_function"](self, step)
-            finally:
-                self._jit_compile = saved
-
-        def _resolve_auto_jit_compile(self):
-            strategy = self._distribute_strategy
-            if not _is_tf_nvlink(strategy):
-                return _STATE.originals["_resolve_auto_jit_compile"](self)
-            from keras.src.trainers.trainer import model_supports_jit  # noqa: PLC0415
-
-            if not tf.config.list_logical_devices("GPU"):
-                return False  # Keras' rule: no XLA on CPU-only machines
-            return model_supports_jit(self)
-
-        trainer._make_function = _make_function
-        trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
-        if hasattr(trainer, "_maybe_symbolic_build"):
-            _STATE.originals["_maybe_symbolic_build"] = trainer._maybe_symbolic_build
-
-            def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-                if _is_tf_nvlink(self.distribute_strategy) and internals.fully_built(self):
-                    return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
-                return _STATE.originals["_maybe_symbolic_build"](self, iterator=iterator, data_batch=data_batch)
-
-            trainer._maybe_symbolic_build = _maybe_symbolic_build
-        _install_optimizer_hooks()
-        return None
+    return internals.install_trainer_hooks(base.is_tf_nvlink_strategy, _make_function)
 
 
 def enable_per_replica_xla() -> None:
     """Install the trainer hooks for a tf_nvlink strategy being built; on a Keras without the internals they need,
     log why, and make a jit-compiled step under that strategy raise `UnsupportedKerasError`."""
-    _STATE.problem = install_keras_hooks()
-    if _STATE.problem:
-        log.warning("tf_nvlink: per-replica XLA unavailable: %s", _STATE.problem)
+    problem = internals.enable_trainer_hooks(base.is_tf_nvlink_strategy, _make_function)
+    if problem:
+        log.warning("tf_nvlink: per-replica XLA unavailable: %s", problem)
 
 
-class PerReplicaXlaStrategyMixin:
-    """Gives each replica its own compiled copy of a `jit_compile=True` tf.function passed to `run`.
+class PerReplicaRunner:
+    """`strategy.run` of a tf_nvlink strategy: each replica gets its own compiled copy of a `jit_compile=True`
+    tf.function passed to it (`PerReplicaCustomStep`); everything else runs as TensorFlow's `run`.
 
-    The strategy's `_tf_nvlink_plan` (set by its builder) says how XLA models all-reduce (`xla_allreduce`).
+    Example (what `install_training_hooks` does):
+        >>> base.attach_runner(strategy, PerReplicaRunner(strategy))
     """
 
-    _per_replica_functions: dict
-    _tf_nvlink_plan = None
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.per_replica_functions: dict = {}  # id(tf.function) -> (tf.function, its per-replica copy)
 
     @property
-    def xla_allreduce(self) -> str:
-        """"fused" or "split": how jit_compile=True models all-reduce (see the module doc)."""
-        return self._tf_nvlink_plan.xla_allreduce if self._tf_nvlink_plan else "split"
+    def custom_loop_mode(self) -> str:
+        """"fused" or "split" for custom loops: one GPU is fused (the whole step in XLA; its all-reduce is a
+        no-op), whatever the plan says for fit."""
+        fused = self.strategy.xla_allreduce == "fused" or self.strategy.num_replicas_in_sync == 1
+        return "fused" if internals.fused_allreduce_possible(self.strategy) and fused else "split"
 
-    @property
-    def _custom_loop_mode(self) -> str:
-        # One GPU: fused (the whole step in XLA; its all-reduce is a no-op), whatever the plan says for fit.
-        fused = self.xla_allreduce == "fused" or self.num_replicas_in_sync == 1
-        return "fused" if internals.fused_allreduce_possible(self) and fused else "split"
-
-    def _per_replica_copies_needed(self) -> bool:
+    def _copies_needed(self) -> bool:
         # Several replicas; or one GPU, where TensorFlow's no-merge_call path under XLA still fails on the
         # optimizer's step counter ("merge_call called while defining a new graph", seen on 1x H200).
-        return self.num_replicas_in_sync > 1 or internals.fused_allreduce_possible(self)
+        return self.strategy.num_replicas_in_sync > 1 or internals.fused_allreduce_possible(self.strategy)
 
-    @tf.autograph.experimental.do_not_convert  # plain Python checks; AutoGraph would garble the error's source
-    def run(self, fn, args=(), kwargs=None, options=None):
-        if self.num_replicas_in_sync > 1 and _in_xla_context():
-            if _STATE.problem:
-                raise UnsupportedKerasError(
-                    f"XLA across replicas is not possible with this Keras: {_STATE.problem}. tf_nvlink supports "
-                    f"Keras {'.'.join(map(str, TESTED_KERAS[0]))} to {'.'.join(map(str, TESTED_KERAS[1]))}; "
+    def __call__(self, strategy_run: Callable, fn, args=(), kwargs=None, options=None):
+        replicas = self.strategy.num_replicas_in_sync
+        if replicas > 1 and internals.in_xla_context():
+            problem = internals.keras_hook_problem()
+            if problem:
+                first, last = internals.TESTED_KERAS
+                raise internals.UnsupportedKerasError(
+                    f"XLA across replicas is not possible with this Keras: {problem}. tf_nvlink supports "
+                    f"Keras {'.'.join(map(str, first))} to {'.'.join(map(str, last))}; "
                     "compile with jit_compile=False or install a supported Keras.")
             raise ValueError(
                 "strategy.run() was called inside a tf.function(jit_compile=True): one XLA program cannot span "
-                f"the {self.num_replicas_in_sync} replicas (TensorFlow would fail with 'Trying to access "
+                f"the {replicas} replicas (TensorFlow would fail with 'Trying to access "
                 "resource ... replica_1'). Put jit_compile=True on the step function you pass to strategy.run "
                 "and keep the function around strategy.run a plain tf.function:\n"
                 "    @tf.function(jit_compile=True)\n    def step(x, y): ...\n"
                 "    @tf.function\n    def train(x, y): return strategy.run(step, args=(x, y))\n"
                 "tf_nvlink compiles one copy of `step` per replica.")
-        target = fn if hasattr(fn, "python_function") else getattr(fn, "__wrapped__", fn)  # Keras wraps its own
-        if self._per_replica_copies_needed() and getattr(target, "_jit_compile", False) and hasattr(
-                target, "python_function"):
-            fn = self._per_replica_copy(fn, target)
+        jit_function = internals.jit_tf_function(fn) if self._copies_needed() else None
+        if jit_function is not None:
+            target = jit_function[0]
+            fn = self._per_replica_copy(fn, *jit_function)
             if tf.executing_eagerly():  # as MirroredStrategy does for a tf.function: run the replicas in a graph
-                return self._eager_runner(target, fn, options)(*args, **(kwargs or {}))
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
+                return self._eager_runner(strategy_run, target, fn, options)(*args, **(kwargs or {}))
+        return strategy_run(fn, args=args, kwargs=kwargs, options=options)
 
-    def _eager_runner(self, target, per_replica, options):
+    def _eager_runner(self, strategy_run, target, per_replica, options):
         key = ("eager", id(target), id(options))
-        if key not in self._per_replica_functions:
-            run = super().run
-
+        if key not in self.per_replica_functions:
             def run_replicas(*call_args, **call_kwargs):
-                return run(per_replica, args=call_args, kwargs=call_kwargs, options=options)
+                return strategy_run(per_replica, args=call_args, kwargs=call_kwargs, options=options)
 
-            self._per_replica_functions[key] = (target, tf.function(run_replicas, autograph=False))
-        return self._per_replica_functions[key][1]
+            self.per_replica_functions[key] = (target, tf.function(run_replicas, autograph=False))
+        return self.per_replica_functions[key][1]
 
-    def _per_replica_copy(self, fn, target):
-        if not hasattr(self, "_per_replica_functions"):
-            self._per_replica_functions = {}
+    def _per_replica_copy(self, fn, target, python_function, autograph):
         key = id(target)
-        if key not in self._per_replica_functions:
+        if key not in self.per_replica_functions:
             unwrap_optionals = fn is not target  # Keras' _autoconvert_optionals wrapper
-            step = PerReplicaCustomStep(target.python_function, self._custom_loop_mode,
-                                        autograph=getattr(target, "_autograph", True))
+            step = PerReplicaCustomStep(python_function, self.custom_loop_mode, autograph=autograph)
 
             def per_replica(*call_args, **call_kwargs):
                 if unwrap_optionals:
@@ -226,5 +171,5 @@ class PerReplicaXlaStrategyMixin:
                 return step(*call_args, **call_kwargs)
 
             per_replica.step = step
-            self._per_replica_functions[key] = (target, per_replica)  # keep target alive: ids are reused
-        return self._per_replica_functions[key][1]
+            self.per_replica_functions[key] = (target, per_replica)  # keep target alive: ids are reused
+        return self.per_replica_functions[key][1]

@@ -9,9 +9,9 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from tf_nvlink import internals
-from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, _merge_call_explained,
-                                   _only_first_replica_variables, _optimizer_calls, _replica_id, _replica_local,
-                                   build_optimizer)
+from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, build_optimizer,
+                                 merge_call_explained, only_first_replica_variables, optimizer_calls,
+                                 replica_local)
 
 
 class PerReplicaXlaStep:
@@ -27,7 +27,7 @@ class PerReplicaXlaStep:
         self.step_function = step_function
         self.kind = kind
         self._compiled: dict[int, Any] = {}
-        self._applied_variables: dict[int, list] = {}
+        self._updates: dict[int, list] = {}  # replica -> [(optimizer, variables)] of the caught updates
         self._lock = threading.Lock()
 
     @property
@@ -41,7 +41,7 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            with _replica_local(_only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
+            with replica_local(only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
                 return step_function(data)
 
         return body
@@ -53,48 +53,42 @@ class PerReplicaXlaStep:
                     body = self.step_function
                 else:
                     body = self._fused_body() if self.fused else self._train_body(replica_id)
-                self._compiled[replica_id] = tf.function(body, jit_compile=True, reduce_retracing=True,
-                                                         autograph=False)
+                self._compiled[replica_id] = tf.function(body, jit_compile=internals.per_replica_jit_compile(),
+                                                         reduce_retracing=True, autograph=False)
             return self._compiled[replica_id]
 
     def _train_body(self, replica_id: int) -> Callable:
-        optimizer = self.model.optimizer
-
         def body(data):
-            caught: dict[str, list] = {}
-
-            def catch_apply(grads, trainable_variables=None):
-                caught["grads"] = list(grads)
-                caught["variables"] = list(trainable_variables if trainable_variables is not None
-                                           else optimizer._trainable_variables)
-
-            optimizer.apply = catch_apply  # instance attribute shadows the method while tracing
-            try:
+            with optimizer_calls("catch") as caught:  # the apply hook records the update instead of running it
                 logs = self.step_function(data)
-            finally:
-                del optimizer.apply
-            if "grads" not in caught:
+            if not caught:
                 raise UnsupportedKerasError(
                     "tf_nvlink's per-replica XLA needs train_step to update weights through "
                     "self.optimizer.apply_gradients() or self.optimizer.apply(); this train_step does neither. "
                     "Compile with jit_compile=False, or call the optimizer in train_step.")
-            pairs = [(i, g) for i, g in enumerate(caught["grads"]) if g is not None]
-            self._applied_variables[replica_id] = [(i, caught["variables"][i]) for i, _ in pairs]
-            return logs, [g for _, g in pairs]
+            updates, grads = [], []
+            for optimizer, call_grads, variables in caught:
+                variables = list(variables if variables is not None
+                                 else internals.optimizer_trainable_variables(optimizer))
+                kept = [i for i, g in enumerate(call_grads) if g is not None]
+                updates.append((optimizer, [variables[i] for i in kept]))
+                grads.append([call_grads[i] for i in kept])
+            self._updates[replica_id] = updates
+            return logs, grads
 
         return body
 
     def __call__(self, data):
-        replica_id = _replica_id()
+        replica_id = internals.replica_id()
         compiled = self._compiled_for(replica_id)
         if self.fused:
             return compiled(data)
-        with _merge_call_explained():
+        with merge_call_explained():
             logs, grads = compiled(data)
-        variables = [v for _, v in self._applied_variables[replica_id]]
-        if variables:
-            # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
-            self.model.optimizer.apply(grads, variables)
+        for (optimizer, variables), call_grads in zip(self._updates[replica_id], grads):
+            if variables:
+                # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
+                optimizer.apply(call_grads, variables)
         return logs
 
 
@@ -132,7 +126,7 @@ class PerReplicaCustomStep:
 
         def traced(mode, args, kwargs):
             try:
-                with _optimizer_calls(mode) as caught:
+                with optimizer_calls(mode) as caught:
                     return python_function(*args, **kwargs), caught
             except OptimizerNotBuiltWhileTracing as error:  # the original: AutoGraph re-raises a copy
                 unbuilt[replica_id] = (error.optimizer, error.variables)
@@ -170,18 +164,19 @@ class PerReplicaCustomStep:
     def _compiled_for(self, replica_id: int):
         with self._lock:
             if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self._body(replica_id), jit_compile=True,
+                self._compiled[replica_id] = tf.function(self._body(replica_id),
+                                                         jit_compile=internals.per_replica_jit_compile(),
                                                          reduce_retracing=True, autograph=self.autograph)
             return self._compiled[replica_id]
 
     def __call__(self, *args, **kwargs):
-        replica_id = _replica_id()
+        replica_id = internals.replica_id()
         while True:
             compiled = self._compiled_for(replica_id)
             try:
                 if self.mode == "fused":
                     return compiled(*args, **kwargs)
-                with _merge_call_explained():
+                with merge_call_explained():
                     outputs, grads = compiled(*args, **kwargs)
                 break
             except OptimizerNotBuiltWhileTracing:  # build it here, outside the step, and trace again

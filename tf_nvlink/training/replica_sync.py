@@ -13,7 +13,7 @@ What tf_nvlink does (on every multi-replica tf_nvlink strategy, in `model.fit`, 
   (one small collective: ResNet-50's 53k BatchNorm statistics are 212 KB), and written back to every replica's
   own copy. Variables nobody writes (a frozen backbone's weights) cost nothing.
 
-Where the all-reduce runs, by mode (see tf_nvlink/xla/ for the modes):
+Where the all-reduce runs, by mode (see tf_nvlink.training.install for the modes):
 - plain (jit_compile=False) and split XLA: after the step, outside XLA, through the plan's cross-device ops;
 - fused XLA (GPUs): inside each replica's XLA program, next to the gradient all-reduce (no merge_call);
 - multi-worker: the same, through MultiWorkerMirroredStrategy's collectives, so every worker agrees too;
@@ -38,11 +38,11 @@ import os
 import threading
 from typing import Any, Callable, Iterable, Optional
 
+from tf_nvlink import internals
+
 ENV_SWITCH = "TF_NVLINK_SYNC_NON_TRAINABLE"
 
 _RECORDING = threading.local()  # each replica runs (and traces) its step in its own thread
-_INSTALL_LOCK = threading.Lock()
-_ORIGINAL_ASSIGN: list[Callable] = []
 
 
 class SynchronizedBatchNormError(ValueError):
@@ -60,23 +60,15 @@ def enabled() -> bool:
                      f"(let each replica keep its own). Received: {ENV_SWITCH}={value!r}")
 
 
+def _note_write(variable) -> None:
+    written = getattr(_RECORDING, "written", None)
+    if written is not None:
+        written[id(variable)] = variable
+
+
 def _install_write_recorder() -> None:
     """Record, per thread, which Keras variables are written while a `_recording()` block is open."""
-    with _INSTALL_LOCK:
-        if _ORIGINAL_ASSIGN:
-            return
-        from keras.src.backend.tensorflow.core import Variable  # noqa: PLC0415
-
-        original = Variable._direct_assign
-
-        def _direct_assign(self, value):
-            written = getattr(_RECORDING, "written", None)
-            if written is not None:
-                written[id(self)] = self
-            return original(self, value)
-
-        _ORIGINAL_ASSIGN.append(original)
-        Variable._direct_assign = _direct_assign
+    internals.report_variable_writes(_note_write)
 
 
 @contextlib.contextmanager
@@ -209,7 +201,7 @@ def synced_step(model, step: Callable) -> Callable:
 
 
 def keep_replicas_in_sync(model, step: Callable) -> Callable:
-    """The train step Keras' `_make_function` runs under a tf_nvlink strategy (the hook in tf_nvlink/xla/__init__.py).
+    """The train step Keras' `_make_function` runs under a tf_nvlink strategy (the hook in tf_nvlink.training.install).
 
     `step` is `model.train_step` (plain mode) or a `PerReplicaXlaStep`. Test steps and single-replica
     strategies are returned unchanged. In fused XLA mode the averaging goes inside each replica's XLA program

@@ -51,16 +51,3 @@ Modules: `specs` (sizes, candidates, target, maths), `worker` (TensorFlow, one c
 entry point), `runner` (spawns the workers, makes records), `render` (tables, plot), `cli` (options, `run`).
 `import tf_nvlink.tools.allreduce_bench` does not import TensorFlow; only the workers do.
 """
-
-from tf_nvlink.util.text import one_line_error  # noqa: F401 - the one-line error of table rows
-from tf_nvlink.tools.allreduce_bench import cli, render, runner, specs  # noqa: F401
-from tf_nvlink.tools.allreduce_bench.cli import HELP, add_arguments, add_common_arguments, main, run, run_from_json
-from tf_nvlink.tools.allreduce_bench.render import (average_busbw, check_plot_available, exit_code, plot, record_problem,
-                                    render_candidate_table, render_p2p_ratio, render_summary, render_text,
-                                    result_line)
-from tf_nvlink.tools.allreduce_bench.runner import measure, skipped_records, spawn_worker, to_records, worker_command, worker_env
-from tf_nvlink.tools.allreduce_bench.specs import (CANDIDATE_NAMES, DEFAULT_CANDIDATES, DEFAULT_SIZES, DTYPE_BYTES, GIB, KIB,
-                                   MAX_LOCAL_SHARE, MAX_PACKS, MAX_SIZE, MIB, P2P_ENV, P2P_VARIANT, XLA_DOC,
-                                   BenchError, Candidate, Target, algbw_gbps, bus_factor, busbw_gbps, format_size,
-                                   parse_candidate, parse_candidates, parse_env, parse_size, parse_sizes, plan_runs,
-                                   resolve_target, skip_reason, subtract_local)

@@ -14,8 +14,9 @@ from tf_nvlink.util.cli_args import argtype, command_line, non_negative, positiv
 from tf_nvlink.tools.allreduce_bench.render import (check_plot_available, exit_code, plot, record_problem, render_p2p_ratio,
                                     render_summary, render_text, result_line)
 from tf_nvlink.tools.allreduce_bench.runner import measure, skipped_records
+from tf_nvlink.plan.allreduce_sizes import format_size
 from tf_nvlink.tools.allreduce_bench.specs import (DEFAULT_CANDIDATES, DEFAULT_SIZES, P2P_ENV, P2P_VARIANT, BenchError,
-                                   format_size, parse_candidates, parse_env, parse_size, parse_sizes, plan_runs,
+                                   parse_candidates, parse_env, parse_size, parse_sizes, plan_runs,
                                    resolve_target, skip_reason)
 from tf_nvlink.util.text import write_failure
 

@@ -10,7 +10,8 @@ from typing import Iterable, Optional, Sequence
 from tf_nvlink.util import atomic_files
 
 from tf_nvlink.plan import policy
-from tf_nvlink.tools.allreduce_bench.specs import MAX_LOCAL_SHARE, P2P_VARIANT, XLA_DOC, BenchError, Target, format_size
+from tf_nvlink.plan.allreduce_sizes import format_size
+from tf_nvlink.tools.allreduce_bench.specs import MAX_LOCAL_SHARE, P2P_VARIANT, XLA_DOC, BenchError, Target
 
 def _measured(records: Iterable[dict]) -> list[dict]:
     return [r for r in records if r["status"] in ("ok", "wrong")]

@@ -12,12 +12,13 @@ import dataclasses
 import re
 from typing import Iterable, Optional, Sequence
 
-from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine import nvml
-from tf_nvlink.plan import policy
+from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
+from tf_nvlink.plan import policy
+from tf_nvlink.plan import gpu_request
+from tf_nvlink.plan.allreduce_sizes import GIB, KIB, MAX_PACKS, MAX_SIZE, MIB
 
-KIB, MIB, GIB = 2**10, 2**20, 2**30
 DEFAULT_SIZES = tuple(MIB * 4**i for i in range(6))  # 1, 4, 16, 64, 256, 1024 MiB
 CANDIDATE_NAMES = ("collective", "nccl", "hierarchical", "reduce_to_one", "auto", "xla")
 DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one,auto,xla"
@@ -25,8 +26,6 @@ DEFAULT_CANDIDATES = "collective,nccl:1,nccl:4,hierarchical:1,reduce_to_one,auto
 XLA_DOC = ("CollectiveAllReduce compiled into one XLA program per replica (replica_ctx.all_reduce, no merge_call: "
            "what jit_compile=True models all-reduce with in tf_nvlink's fused mode)")
 DTYPE_BYTES = 4  # float32
-MAX_PACKS = 64
-MAX_SIZE = 16 * 2**30  # the largest all-reduce size accepted: 16 GiB (1G = 4 GiB buffers are already rare)
 # The local-work correction may remove at most this share of the chained time (so it at most doubles algbw): at
 # tiny sizes per-op overhead dominates both chains and their difference is noise.
 MAX_LOCAL_SHARE = 0.5
@@ -69,14 +68,6 @@ def parse_sizes(text: str) -> list[int]:
     if not items:
         raise BenchError(f"sizes should be a comma list such as 1M,16M,256M. Received: {text!r}")
     return sorted({parse_size(item) for item in items})
-
-
-def format_size(size: int) -> str:
-    """16777216 -> "16M" (the inverse of parse_size where exact)."""
-    for unit, scale in (("G", GIB), ("M", MIB), ("K", KIB)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale}{unit}"
-    return str(size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +176,7 @@ def resolve_target(devices: str = "gpu", gpus="all", topology=None) -> Target:
                          "without GPUs, use --devices cpu:2 (2 logical CPU devices).")
     visible = devices_lib.visible_nvml_indices(topology)
     try:
-        chosen = policy.parse_gpus(gpus, topology, visible)
+        chosen = gpu_request.parse_gpus(gpus, topology, visible)
     except ValueError as exc:
         raise BenchError(str(exc)) from exc
     if not chosen:

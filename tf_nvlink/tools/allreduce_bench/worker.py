@@ -15,9 +15,9 @@ import time
 import traceback
 from typing import Optional, Sequence
 
+import tf_nvlink
 from tf_nvlink.machine import nvlink_traffic
 
-from tf_nvlink.distribute import single_host
 from tf_nvlink.machine.nvml import NvLinkCounterReader
 from tf_nvlink.tools.allreduce_bench.specs import DTYPE_BYTES, Candidate, parse_candidate, parse_sizes, subtract_local
 from tf_nvlink.util.text import one_line_error
@@ -42,14 +42,14 @@ def _worker_strategy(candidate: Candidate, target_spec: str):
     # "xla": TensorFlow uses its CollectiveAllReduce under XLA whatever the strategy was given; ask for it.
     ops = {"auto": "auto", "xla": "collective"}.get(candidate.name, candidate.name)
     if cpu:
-        strategy = single_host.strategy(
+        strategy = tf_nvlink.strategy(
             cross_device_ops=ops, num_packs=candidate.num_packs,
             devices=[f"/cpu:{i}" for i in range(int(cpu.group(1)))],
             topology=Topology(error="benchmark over logical CPU devices (--devices cpu:N)"))
     else:
-        strategy = single_host.strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
-                                       num_packs=candidate.num_packs)
-    return tf, strategy, single_host.current_plan(), bool(cpu)
+        strategy = tf_nvlink.strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
+                                      num_packs=candidate.num_packs)
+    return tf, strategy, tf_nvlink.current_plan(), bool(cpu)
 
 
 def _chains(tf, strategy, iters: int, xla: bool = False):
@@ -229,19 +229,17 @@ def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int
     """What Grappler and the partitioner left of the chains, in THIS process: per function (timed, local), the ops
     after optimisation by type and the cross-device transfers of computed tensors (function inputs left out)."""
     tf, strategy, plan, _ = _worker_strategy(candidate, target_spec)
-    from tensorflow.python.eager import context  # noqa: PLC0415 - run metadata is only in the private API
+    from tf_nvlink import internals  # noqa: PLC0415 - run metadata is only in TensorFlow's private API
 
     timed, local, _, _ = _chains(tf, strategy, iters, xla=candidate.name == "xla")
     x, floor = _worker_inputs(tf, strategy, size // DTYPE_BYTES)
     report = {"ok": True, "candidate": candidate.label, "ops": _reported_ops(candidate, plan),
               "n_replicas": strategy.num_replicas_in_sync, "iters": iters, "size_bytes": size}
     for name, fn in (("timed", timed), ("local", local)):
-        context.enable_run_metadata()  # before the first call: the function graphs are recorded as it is built
-        try:
+        # Recording starts before the first call: the function graphs are recorded as it is built.
+        with internals.recorded_run_metadata() as recorded:
             [value.numpy() for value in strategy.experimental_local_results(fn(x, floor))]
-            metadata = context.export_run_metadata()
-        finally:
-            context.disable_run_metadata()
+        metadata = recorded[0]
         op_counts: dict[str, int] = {}
         for function_graph in metadata.function_graphs:
             for node in function_graph.post_optimization_graph.node:

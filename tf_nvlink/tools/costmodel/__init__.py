@@ -11,7 +11,12 @@ is the slowest hop's bandwidth, whatever N (on a shared PCIe root complex it fal
 Every default below is a 2x H200 measurement (BUILD_NOTES.md, shared hardware facts) or a public link rate scaled
 by the efficiency measured on H200; each says which. Pure Python: no TensorFlow, no NVML.
 
+Modules: `model` (the formulas, `Workload`, `LinkModel`, the measured `LINKS`), `links` (the link model for a
+probed topology), `table` (the 1/2/4/8-GPU table and the command line).
+
 Example:
+    >>> from tf_nvlink.tools.costmodel.model import LINKS, Workload, predict
+    >>> from tf_nvlink.tools.costmodel.table import render_table
     >>> resnet = Workload(compute_ms=39.7, gradient_bytes=102_236_160, gradient_tensors=161, per_gpu_batch=128)
     >>> p = predict(resnet, LINKS["nvswitch-h200"], 8)
     >>> round(p.scaling, 2)
@@ -21,10 +26,3 @@ Example:
 Command line: `python -m tf_nvlink.tools.costmodel --compute_ms 39.7 --gradient_mib 97.5` prints 1/2/4/8 GPUs for
 every link type.
 """
-
-from tf_nvlink.tools.costmodel.links import link_for_topology
-from tf_nvlink.tools.costmodel.model import *  # noqa: F401,F403 - the model's names, as before the split
-from tf_nvlink.tools.costmodel.model import __all__ as _model_names
-from tf_nvlink.tools.costmodel.table import main, render_table
-
-__all__ = list(_model_names) + ["link_for_topology", "render_table", "main"]

@@ -32,11 +32,11 @@ from typing import Any, Optional, Sequence
 from tf_nvlink.machine import nvml as nvml_module
 from tf_nvlink.machine.nvlink_traffic import gradient_bytes, per_gpu_bytes, traffic_delta, unreadable_reasons
 from tf_nvlink.machine.nvml import NvLinkCounterReader
-from tf_nvlink.tools.costmodel import REPLICA_OVERHEAD_HOST_FED_MS, link_for_topology
+from tf_nvlink.tools.costmodel.links import link_for_topology
+from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
 from tf_nvlink.tools.doctor import outputs
 from tf_nvlink.tools.doctor.diagnosis import diagnose_trace
 from tf_nvlink.tools.doctor.verdict import StepContext
-from tf_nvlink.training.nvlink_monitor import _tensorboard_log_dir
 
 log = logging.getLogger("tf_nvlink")
 
@@ -132,8 +132,10 @@ def _make_callback_class():
 
         # -- the fit call --------------------------------------------------------------------------------------
         def on_train_begin(self, logs=None):
+            from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow only once the callback runs
+
             self._fit_began, self._first_batch_seen = time.perf_counter(), False
-            self._tensorboard_dir = self.log_dir or _tensorboard_log_dir(self)
+            self._tensorboard_dir = self.log_dir or internals.tensorboard_log_dir_beside(self)
 
         def on_train_batch_begin(self, batch, logs=None):
             entered = time.perf_counter()

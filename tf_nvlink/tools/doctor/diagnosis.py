@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from tf_nvlink.tools.costmodel import REPLICA_OVERHEAD_HOST_FED_MS
+from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
 from tf_nvlink.tools.doctor.breakdown import mean_breakdown, replica_breakdown
 from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
 from tf_nvlink.tools.doctor.trace import TraceError, find_trace, gpu_activity, host_plane_names, load_space

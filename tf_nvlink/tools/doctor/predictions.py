@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from tf_nvlink.tools import costmodel
+from tf_nvlink.tools.costmodel import model as costmodel
 from tf_nvlink.tools.doctor.breakdown import ReplicaBreakdown
 from tf_nvlink.tools.doctor.verdict import StepContext
 

@@ -1,0 +1,92 @@
+"""What every tf_nvlink strategy shares (single-host and multi-worker): its plan, the one check that a strategy is
+a tf_nvlink one, and the seam through which the training hooks take over `strategy.run`.
+
+Example:
+    >>> from tf_nvlink.distribute import base
+    >>> base.is_tf_nvlink_strategy(tf_nvlink.strategy())
+    True
+    >>> base.is_tf_nvlink_strategy(tf.distribute.MirroredStrategy())
+    False
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+
+class TfNvlinkStrategyMixin:
+    """Put before a tf.distribute strategy class: the strategy then carries a plan (`attach_plan`) and runs
+    `strategy.run` through the runner the training hooks attach (`attach_runner`), or the strategy's own."""
+
+    _tf_nvlink_plan = None
+    _tf_nvlink_runner: Optional[Callable] = None
+
+    @property
+    def plan(self):
+        """The plan this strategy was built from (`policy.Plan`, or `MultiWorkerPlan`); None until attached."""
+        return self._tf_nvlink_plan
+
+    @property
+    def xla_allreduce(self) -> str:
+        """"fused" or "split": how jit_compile=True models all-reduce (tf_nvlink.training.install says how)."""
+        return self._tf_nvlink_plan.xla_allreduce if self._tf_nvlink_plan is not None else "split"
+
+    @tf.autograph.experimental.do_not_convert  # plain Python; AutoGraph would garble the runner's errors
+    def run(self, fn, args=(), kwargs=None, options=None):
+        runner = self._tf_nvlink_runner
+        if runner is None:
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+        return runner(super().run, fn, args, kwargs, options)
+
+
+def is_tf_nvlink_strategy(strategy) -> bool:
+    """True for a strategy tf_nvlink built (with or without its plan attached yet), False for anything else.
+
+    Example:
+        >>> is_tf_nvlink_strategy(model.distribute_strategy)
+    """
+    return isinstance(strategy, TfNvlinkStrategyMixin)
+
+
+def _checked(strategy, what: str):
+    if not is_tf_nvlink_strategy(strategy):
+        raise TypeError(f"{what} needs a tf_nvlink strategy (tf_nvlink.strategy() builds one). "
+                        f"Received: {type(strategy).__name__}")
+    return strategy
+
+
+def attach_plan(strategy, plan) -> None:
+    """Record the plan a tf_nvlink strategy was built from (its builder does this once).
+
+    Example:
+        >>> attach_plan(built, plan); built.plan is plan
+        True
+    """
+    _checked(strategy, "attach_plan")._tf_nvlink_plan = plan
+
+
+def plan_of(strategy):
+    """The plan of a tf_nvlink strategy, or None (not a tf_nvlink strategy, or no plan attached yet).
+
+    Example:
+        >>> plan_of(optimizer_strategy) is None    # stock MirroredStrategy
+        True
+    """
+    return strategy.plan if is_tf_nvlink_strategy(strategy) else None
+
+
+def attach_runner(strategy, runner: Callable) -> None:
+    """Make `strategy.run(fn, args, kwargs, options)` call `runner(strategy_run, fn, args, kwargs, options)`,
+    where `strategy_run` is TensorFlow's own `run` (tf_nvlink.training.install attaches its per-replica runner).
+
+    Example:
+        >>> attach_runner(built, lambda run, fn, args, kwargs, options: run(fn, args=args, kwargs=kwargs))
+    """
+    _checked(strategy, "attach_runner")._tf_nvlink_runner = runner
+
+
+def runner_of(strategy) -> Optional[Callable]:
+    """The runner `attach_runner` gave a tf_nvlink strategy, or None."""
+    return _checked(strategy, "runner_of")._tf_nvlink_runner
