@@ -78,7 +78,8 @@ def uninstall_keras_hooks() -> None:
         trainer = _keras_trainer_class()
         for name, original in _STATE.originals.items():
             owner, _, attribute = name.rpartition(".")
-            setattr(_OPTIMIZER_CLASSES[owner]() if owner else trainer, attribute, original)
+            owners = {**_OPTIMIZER_CLASSES, "loss_module": _keras_loss_module}
+            setattr(owners[owner]() if owner else trainer, attribute, original)
         _STATE.originals.clear()
 
 
@@ -89,6 +90,27 @@ def fully_built(model) -> bool:
                 getattr(model, "optimizer", None)]
     return all(layer.built for layer in model._flatten_layers()) and all(
         part is None or part.built for part in compiled)
+
+
+def symbolic_build_from_one_replica(model, iterator=None, data_batch=None) -> None:
+    """Keras' `TensorFlowTrainer._maybe_symbolic_build` (3.12 to 3.15), building from the first replica's share
+    of the first batch instead of the MEAN of all replicas' shares.
+
+    Why: Keras reduces the per-replica batches with `strategy.reduce("MEAN")` only to get one batch whose shapes
+    build the model, and that AddN fails when the shares differ in size (`batch_size=5` on 2 replicas: "Inputs
+    to operation AddN ... must have the same size and shape. Input 0: [3,8] != input 1: [2,8]"). One replica's
+    share has the same structure and feature shapes. Private Keras touched: `model._symbolic_build`."""
+    if model._distribute_strategy is None:  # noqa: SLF001 - as Keras: build when the step is traced
+        return
+    strategy = model.distribute_strategy
+    if iterator is not None:
+        for _, _, batches in iterator:
+            data_batch = tf.nest.map_structure(
+                lambda value: strategy.experimental_local_results(value)[0]
+                if isinstance(value, tf.distribute.DistributedValues) else value, next(batches))
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
 
 
 def fused_allreduce_possible(strategy) -> bool:
@@ -374,3 +396,57 @@ def set_initial_epoch(model, epoch: int) -> None:
     `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
     """
     model._initial_epoch = epoch  # noqa: SLF001
+
+
+# ==== Keras' per-replica loss scale (the exact-batch rule of tf_nvlink.training.exact_batches) ==============
+
+_LOSS_SHARE = threading.local()  # each replica traces its step in its own thread
+
+
+def _keras_loss_module():
+    from keras.src.losses import loss as loss_module  # noqa: PLC0415
+
+    return loss_module
+
+
+
+
+@contextlib.contextmanager
+def loss_share_while_tracing(share):
+    """While one replica's train step is traced: Keras scales that replica's mean loss by `share` (a float32
+    scalar tensor, the replica's examples over the global batch's) instead of 1/num_replicas.
+
+    Why: Keras 3 (3.12 to 3.15 checked) scales every replica's mean loss by 1/num_replicas in the module functions
+    `keras.src.losses.loss.scale_loss_for_distribution` (the compiled loss, the regularisation losses) and undoes
+    it for the logged loss with `unscale_loss_for_distribution`; with a last batch split 1 + 0 the step's
+    gradient is then half the single-device one. The hooks (`_install_loss_share_hooks`) read this thread-local
+    share; with none set they run Keras' own functions."""
+    saved = getattr(_LOSS_SHARE, "value", None)
+    _LOSS_SHARE.value = share
+    try:
+        yield
+    finally:
+        _LOSS_SHARE.value = saved
+
+
+def _install_loss_share_hooks() -> None:
+    """Replace Keras' scale/unscale_loss_for_distribution (called with _STATE.lock held)."""
+    module = _keras_loss_module()
+    scale, unscale = module.scale_loss_for_distribution, module.unscale_loss_for_distribution
+    _STATE.originals["loss_module.scale_loss_for_distribution"] = scale
+    _STATE.originals["loss_module.unscale_loss_for_distribution"] = unscale
+
+    def scale_loss_for_distribution(value):
+        share = getattr(_LOSS_SHARE, "value", None)
+        if share is None:
+            return scale(value)
+        return value * tf.cast(share, value.dtype)
+
+    def unscale_loss_for_distribution(value):
+        share = getattr(_LOSS_SHARE, "value", None)
+        if share is None:
+            return unscale(value)
+        return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))  # a replica with 0 examples logs 0
+
+    module.scale_loss_for_distribution = scale_loss_for_distribution
+    module.unscale_loss_for_distribution = unscale_loss_for_distribution

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_nvlink.training import replica_sync
+from tf_nvlink.training import exact_batches, replica_sync
 from tf_nvlink import internals
 from tf_nvlink.internals import (TESTED_KERAS, _STATE, CrossReplicaCallInXlaError,  # noqa: F401
                                    HookState, MultiWorkerKerasReduceMixin, UnsupportedKerasError,
@@ -103,7 +103,10 @@ def install_keras_hooks() -> str | None:
             if not _is_tf_nvlink(self.distribute_strategy):
                 return _STATE.originals["_make_function"](self, step_function)
             if not _per_replica_wanted(self):  # replica_sync.keep_replicas_in_sync: issue 18, BatchNorm statistics
-                return _STATE.originals["_make_function"](self, replica_sync.keep_replicas_in_sync(self, step_function))
+                step = replica_sync.keep_replicas_in_sync(self, step_function)
+                if step_function == self.train_step and self.distribute_strategy.num_replicas_in_sync > 1:
+                    step = exact_batches.weighted_by_examples(step)  # issue 25: uneven batches
+                return _STATE.originals["_make_function"](self, step)
             kind = "train" if step_function == self.train_step else "test"
             strategy = self.distribute_strategy
             step = replica_sync.keep_replicas_in_sync(self, PerReplicaXlaStep(self, step_function, kind))
@@ -135,10 +138,13 @@ def install_keras_hooks() -> str | None:
             def _maybe_symbolic_build(self, iterator=None, data_batch=None):
                 if _is_tf_nvlink(self.distribute_strategy) and internals.fully_built(self):
                     return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
+                if _is_tf_nvlink(self.distribute_strategy):
+                    return internals.symbolic_build_from_one_replica(self, iterator=iterator, data_batch=data_batch)
                 return _STATE.originals["_maybe_symbolic_build"](self, iterator=iterator, data_batch=data_batch)
 
             trainer._maybe_symbolic_build = _maybe_symbolic_build
         _install_optimizer_hooks()
+        internals._install_loss_share_hooks()
         return None
 
 

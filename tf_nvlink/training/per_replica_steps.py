@@ -11,7 +11,8 @@ import tensorflow as tf
 from tf_nvlink import internals
 from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, _merge_call_explained,
                                    _only_first_replica_variables, _optimizer_calls, _replica_id, _replica_local,
-                                   build_optimizer)
+                                   build_optimizer, loss_share_while_tracing)
+from tf_nvlink.training.exact_batches import examples_in, replica_share
 
 
 class PerReplicaXlaStep:
@@ -41,8 +42,9 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            with _replica_local(_only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
-                return step_function(data)
+            share = replica_share(examples_in(data))  # in this replica's XLA program, as the gradients' all-reduce
+            with _replica_local(_only_first_replica_variables(optimizer)), loss_share_while_tracing(share):
+                return step_function(data)  # the apply hook agrees on finite
 
         return body
 
@@ -60,7 +62,7 @@ class PerReplicaXlaStep:
     def _train_body(self, replica_id: int) -> Callable:
         optimizer = self.model.optimizer
 
-        def body(data):
+        def body(data, share):
             caught: dict[str, list] = {}
 
             def catch_apply(grads, trainable_variables=None):
@@ -70,7 +72,8 @@ class PerReplicaXlaStep:
 
             optimizer.apply = catch_apply  # instance attribute shadows the method while tracing
             try:
-                logs = self.step_function(data)
+                with loss_share_while_tracing(share):
+                    logs = self.step_function(data)
             finally:
                 del optimizer.apply
             if "grads" not in caught:
@@ -89,8 +92,9 @@ class PerReplicaXlaStep:
         compiled = self._compiled_for(replica_id)
         if self.fused:
             return compiled(data)
+        share = replica_share(examples_in(data))  # outside XLA: split mode all-reduces through merge_call
         with _merge_call_explained():
-            logs, grads = compiled(data)
+            logs, grads = compiled(data, share)
         variables = [v for _, v in self._applied_variables[replica_id]]
         if variables:
             # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.

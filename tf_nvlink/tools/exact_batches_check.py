@@ -1,0 +1,99 @@
+"""Does a strategy train every batch as one device does? Runs `model.fit` scenarios under a strategy and the
+same training on one device in the same process, and reports how far apart the weights and logs end.
+
+Each scenario is a small regression model (8 inputs, Dense 4 relu, Dense 1, mean squared error, SGD 0.1,
+float32) trained for 2 epochs without shuffling from the same initial weights; the numbers are the largest
+absolute differences from the single-device run: `weights` (every weight), `loss` (the logged loss of every
+epoch), `metrics` (the logged mean absolute error and, with validation, `val_loss`).
+
+Example:
+    >>> strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+    >>> run_scenarios(strategy, jit_compile=False)["last_batch_1"]["weights"] < 1e-5
+    True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# name -> fit settings. On 2 replicas the last batches split 1 + 0, 2 + 1, 17 + 16; 5 and 7 are global batches
+# that are not a multiple of 2 (or 4) replicas.
+SCENARIOS: dict[str, dict] = {
+    "even_66": {"examples": 66, "batch_size": 32},
+    "last_batch_1": {"examples": 65, "batch_size": 32},
+    "last_batch_3": {"examples": 67, "batch_size": 32},
+    "last_batch_33": {"examples": 100, "batch_size": 67},
+    "batch_size_5": {"examples": 23, "batch_size": 5},
+    "batch_size_7": {"examples": 30, "batch_size": 7},
+    "accumulate_2": {"examples": 37, "batch_size": 8, "accumulation": 2},
+    "accumulate_4": {"examples": 70, "batch_size": 8, "accumulation": 4},
+    "sample_weight": {"examples": 67, "batch_size": 32, "sample_weight": True},
+    "validation_split": {"examples": 80, "batch_size": 16, "validation_split": 0.2},
+    "steps_per_execution_3": {"examples": 67, "batch_size": 8, "steps_per_execution": 3},
+    "lr_schedule": {"examples": 67, "batch_size": 16, "schedule": True},
+}
+
+
+def _data(examples: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(examples, 1))).astype("float32")
+    weights = rng.uniform(0.2, 2.0, size=(examples,)).astype("float32")
+    return x, y, weights
+
+
+def _train(settings: dict, initial_weights, jit_compile, strategy=None):
+    import contextlib  # noqa: PLC0415
+
+    import keras  # noqa: PLC0415
+
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        model = _model()
+        model.set_weights(initial_weights)
+        learning_rate = 0.1
+        if settings.get("schedule"):
+            learning_rate = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
+        optimizer = keras.optimizers.SGD(learning_rate,
+                                         gradient_accumulation_steps=settings.get("accumulation"))
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile,
+                      steps_per_execution=settings.get("steps_per_execution", 1))
+    x, y, sample_weight = _data(settings["examples"])
+    history = model.fit(x, y, batch_size=settings["batch_size"], epochs=2, shuffle=False, verbose=0,
+                        sample_weight=sample_weight if settings.get("sample_weight") else None,
+                        validation_split=settings.get("validation_split", 0.0))
+    return model.get_weights(), history.history
+
+
+def _model():
+    import keras  # noqa: PLC0415
+
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+
+
+def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
+    """For each scenario (all of SCENARIOS, or `names`): {"weights", "loss", "metrics"} differences from one
+    device, or {"error": "Type: message"} when training under `strategy` failed."""
+    import keras  # noqa: PLC0415
+
+    unknown = sorted(set(names or ()) - set(SCENARIOS))
+    if unknown:
+        raise ValueError(f"Unknown scenario(s) {unknown}; the scenarios are {sorted(SCENARIOS)}")
+    results = {}
+    for name in names or SCENARIOS:
+        settings = SCENARIOS[name]
+        keras.utils.set_random_seed(1)
+        initial = _model().get_weights()
+        single_weights, single_logs = _train(settings, initial, jit_compile=False)
+        try:
+            weights, logs = _train(settings, initial, jit_compile, strategy)
+        except Exception as error:  # noqa: BLE001 - reported per scenario
+            results[name] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+            continue
+        metric_keys = [k for k in single_logs if k != "loss"]
+        results[name] = {
+            "weights": float(max(np.max(np.abs(a - b)) for a, b in zip(weights, single_weights))),
+            "loss": float(np.max(np.abs(np.array(logs["loss"]) - single_logs["loss"]))),
+            "metrics": float(max(np.max(np.abs(np.array(logs[k]) - single_logs[k])) for k in metric_keys)),
+        }
+    return results
