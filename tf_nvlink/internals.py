@@ -182,6 +182,8 @@ def _install_optimizer_hooks() -> None:
             if mode is None:  # any update under a tf_nvlink strategy: fit with or without XLA, split updates
                 if not _under_tf_nvlink(self):
                     return _original(self, grads, trainable_variables)
+                if getattr(self, "gradient_accumulation_steps", None) and _merge_call_in_use(self):
+                    return _accumulate_without_merge_call(self, _original, grads, trainable_variables)
                 with _agreed_finite_check(self):
                     return _original(self, dense_gradients_in_xla(grads), trainable_variables)
             if not self.built and trainable_variables is not None:
@@ -199,6 +201,50 @@ def _install_optimizer_hooks() -> None:
                 _TRACING.depth = 0
 
         cls.apply = apply
+
+
+_NO_MERGE_CALL = threading.local()
+
+
+def gradients_already_reduced() -> bool:
+    """True while `_accumulate_without_merge_call` applies gradients it has all-reduced already (this thread)."""
+    return getattr(_NO_MERGE_CALL, "active", False)
+
+
+def _merge_call_in_use(optimizer) -> bool:
+    context = tf.distribute.get_replica_context()
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    return (context is not None and context.num_replicas_in_sync > 1 and not tf.executing_eagerly()
+            and strategy is not None and strategy.extended._use_merge_call())  # noqa: SLF001
+
+
+def _accumulate_without_merge_call(optimizer, original_apply, grads, trainable_variables):
+    """`gradient_accumulation_steps` under a merge_call MirroredStrategy (plain mode, split mode's update).
+
+    Why: Keras 3 (3.12 to 3.15 checked) decides between "accumulate" and "accumulate and update" in a `tf.cond`
+    inside `BaseOptimizer._backend_apply_gradients`, and both branches reach `merge_call` (the gradient
+    all-reduce, `maybe_merge_call` around the variable updates): "RuntimeError: Exception encountered when calling
+    Cond.call(). `merge_call` called while defining a new graph". Stock MirroredStrategy fails the same way.
+    Here the gradients are all-reduced first, outside the cond (every replica then holds the same global-batch
+    gradients), and Keras' `apply` runs on them with this replica thread on MirroredStrategy's no-merge_call path
+    (the private `MirroredExtended._use_merge_call`, which TensorFlow itself turns off under XLA on GPUs, and
+    which the fused mode relies on): each replica updates its own copy of every accumulator and variable with
+    the same values, so the copies stay identical, and the optimizer's step counters are kept per replica
+    (`_replica_local`). The gradient all-reduce hook skips the all-reduce for these gradients."""
+    pairs = [(g, v) for g, v in zip(grads, trainable_variables if trainable_variables is not None
+                                     else optimizer._trainable_variables)]
+    reduced = optimizer._all_reduce_sum_gradients(pairs)  # noqa: SLF001 - tf_nvlink's hook, bfloat16 included
+    extended = optimizer._distribution_strategy.extended  # noqa: SLF001
+    if "_use_merge_call" not in extended.__dict__:
+        merge_call_default = extended._use_merge_call  # noqa: SLF001
+        extended._use_merge_call = lambda: (not gradients_already_reduced()) and merge_call_default()
+    _NO_MERGE_CALL.active = True
+    try:
+        with _replica_local(_only_first_replica_variables(optimizer)):
+            return original_apply(optimizer, [g for g, _ in reduced],
+                                  None if trainable_variables is None else [v for _, v in reduced])
+    finally:
+        _NO_MERGE_CALL.active = False
 
 
 class OptimizerNotBuiltWhileTracing(Exception):  # noqa: N818 - a signal to the step, not an error for users
