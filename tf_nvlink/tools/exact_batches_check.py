@@ -2,7 +2,7 @@
 same training on one device in the same process, and reports how far apart the weights and logs end.
 
 Each scenario is a small regression model (8 inputs, Dense 4 relu, Dense 1, mean squared error, SGD 0.1,
-float32) trained for 2 epochs without shuffling from the same initial weights; the numbers are the largest
+float32) trained for one epoch (two with validation) without shuffling from the same initial weights; the numbers are the largest
 absolute differences from the single-device run: `weights` (every weight), `loss` (the logged loss of every
 epoch), `metrics` (the logged mean absolute error and, with validation, `val_loss`).
 
@@ -13,6 +13,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -28,7 +30,7 @@ SCENARIOS: dict[str, dict] = {
     "accumulate_2": {"examples": 37, "batch_size": 8, "accumulation": 2},
     "accumulate_4": {"examples": 70, "batch_size": 8, "accumulation": 4},
     "sample_weight": {"examples": 67, "batch_size": 32, "sample_weight": True},
-    "validation_split": {"examples": 80, "batch_size": 16, "validation_split": 0.2},
+    "validation_split": {"examples": 80, "batch_size": 16, "validation_split": 0.2, "epochs": 2},
     "steps_per_execution_3": {"examples": 67, "batch_size": 8, "steps_per_execution": 3},
     "lr_schedule": {"examples": 67, "batch_size": 16, "schedule": True},
 }
@@ -43,8 +45,6 @@ def _data(examples: int, seed: int = 0):
 
 
 def _train(settings: dict, initial_weights, jit_compile, strategy=None):
-    import contextlib  # noqa: PLC0415
-
     import keras  # noqa: PLC0415
 
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
@@ -59,7 +59,8 @@ def _train(settings: dict, initial_weights, jit_compile, strategy=None):
         model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile,
                       steps_per_execution=settings.get("steps_per_execution", 1))
     x, y, sample_weight = _data(settings["examples"])
-    history = model.fit(x, y, batch_size=settings["batch_size"], epochs=2, shuffle=False, verbose=0,
+    history = model.fit(x, y, batch_size=settings["batch_size"], epochs=settings.get("epochs", 1), shuffle=False,
+                        verbose=0,
                         sample_weight=sample_weight if settings.get("sample_weight") else None,
                         validation_split=settings.get("validation_split", 0.0))
     return model.get_weights(), history.history
@@ -69,6 +70,9 @@ def _model():
     import keras  # noqa: PLC0415
 
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+
+
+_SINGLE_DEVICE: dict[str, tuple] = {}  # scenario -> (initial weights, final weights, logs) on one device
 
 
 def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
@@ -82,9 +86,11 @@ def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
     results = {}
     for name in names or SCENARIOS:
         settings = SCENARIOS[name]
-        keras.utils.set_random_seed(1)
-        initial = _model().get_weights()
-        single_weights, single_logs = _train(settings, initial, jit_compile=False)
+        if name not in _SINGLE_DEVICE:  # the same for every strategy and mode in this process
+            keras.utils.set_random_seed(1)
+            initial = _model().get_weights()
+            _SINGLE_DEVICE[name] = (initial, *_train(settings, initial, jit_compile=False))
+        initial, single_weights, single_logs = _SINGLE_DEVICE[name]
         try:
             weights, logs = _train(settings, initial, jit_compile, strategy)
         except Exception as error:  # noqa: BLE001 - reported per scenario
@@ -97,3 +103,59 @@ def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
             "metrics": float(max(np.max(np.abs(np.array(logs[k]) - single_logs[k])) for k in metric_keys)),
         }
     return results
+
+
+def run_custom_loop(strategy, jit_compile, examples=67, batch_size=32, global_batch_size_known=False) -> dict:
+    """A custom training loop in TensorFlow's guide shape (a replica step calling `optimizer.apply_gradients`,
+    passed to `strategy.run` in a plain tf.function, over a distributed dataset), its loss from
+    `tf_nvlink.average_loss`, against the same loop on one device: {"weights": max difference} or {"error"}.
+    `global_batch_size_known`: pass each step's global batch size to `average_loss` (split-mode jit steps)."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tf_nvlink.training.exact_batches import average_loss  # noqa: PLC0415
+
+    keras.utils.set_random_seed(1)
+    initial = _model().get_weights()
+    x, y, _ = _data(examples)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+    def train(distribute):
+        scope = distribute.scope() if distribute is not None else contextlib.nullcontext()
+        with scope:
+            model = _model()
+            model.set_weights(initial)
+            optimizer = keras.optimizers.SGD(0.1)
+
+        def step(features, labels, size):
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.mean_squared_error(labels, model(features, training=True))
+                loss = average_loss(per_example, global_batch_size=size if global_batch_size_known else None)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        replica_step = tf.function(step, jit_compile=jit_compile) if jit_compile else step
+
+        @tf.function
+        def outer(features, labels, size):
+            if distribute is None:
+                return replica_step(features, labels, size)
+            return distribute.run(replica_step, args=(features, labels, size))
+
+        for _ in range(2):
+            if distribute is None:
+                for features, labels in dataset:
+                    outer(features, labels, tf.shape(features)[0])
+            else:
+                for (features, labels), size in zip(distribute.experimental_distribute_dataset(dataset),
+                                                    dataset.map(lambda f, _: tf.shape(f)[0])):
+                    outer(features, labels, size)
+        return model.get_weights()
+
+    single = train(None)
+    try:
+        weights = train(strategy)
+    except Exception as error:  # noqa: BLE001 - reported
+        return {"error": f"{type(error).__name__}: {str(error)[-600:]}"}
+    return {"weights": float(max(np.max(np.abs(a - b)) for a, b in zip(weights, single)))}

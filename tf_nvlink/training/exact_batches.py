@@ -21,7 +21,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tf_nvlink.internals import loss_share_while_tracing
+from tf_nvlink.internals import _in_xla_context, loss_share_while_tracing
 
 __all__ = ["average_loss", "examples_in", "replica_share", "weighted_by_examples"]
 
@@ -103,6 +103,12 @@ def average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
         local = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
+            if _in_xla_context() and tf.distribute.get_strategy().extended._use_merge_call():  # noqa: SLF001
+                raise ValueError(
+                    "tf_nvlink.average_loss(per_example_loss) all-reduces the replicas' example counts, which a "
+                    "jit_compile=True step in split mode (CPU replicas, or xla_allreduce='split') cannot do inside "
+                    "XLA. Pass the global batch's size: average_loss(per_example_loss, global_batch_size=n), or "
+                    "compile the step with jit_compile=False, or use fused mode (all-GPU replicas).")
             global_batch_size = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
         else:
             global_batch_size = local
