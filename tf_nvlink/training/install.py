@@ -37,7 +37,15 @@ Private Keras/TensorFlow touches, and why (all state in `_STATE`, a `HookState`;
 - `TensorFlowTrainer._maybe_symbolic_build` (skipped once the model, its compiled loss and metrics and its
   optimizer are built): under any strategy Keras makes a distributed iterator at every `fit`/`evaluate` call to
   take one batch and average it across replicas, and then finds nothing to build. Making that iterator
-  (TensorFlow's MultiDeviceIterator traces its functions each time) took about 100 ms per call on a CPU.
+  (TensorFlow's MultiDeviceIterator traces its functions each time) took about 100 ms per call on a CPU. Before
+  that, the build uses the first replica's share of the first batch (`internals.symbolic_build_from_one_replica`):
+  Keras' MEAN of the shares fails when they differ in size (`batch_size=5` on 2 replicas).
+- `keras.src.losses.loss.scale_loss_for_distribution` / `unscale_loss_for_distribution` (replaced): while a
+  replica's train step is traced, its loss is scaled by its share of the global batch rather than by
+  1/num_replicas (`exact_batches`: every batch trains as on one device, whatever the split).
+- `MirroredExtended._use_merge_call` (an instance attribute on the strategy's extended, answering False only in a
+  thread applying already all-reduced accumulated gradients): `gradient_accumulation_steps` in plain and split
+  mode, where Keras' accumulation `tf.cond` would reach `merge_call`.
 - `TFOptimizer._all_reduce_sum_gradients` (replaced, `allreduce.py`): no all-reduce for one replica; bfloat16.
 - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (replaced): while a per-replica custom-loop step is traced
   in this thread, catch the update (split) or keep step counters per replica (fused); an optimizer not built
