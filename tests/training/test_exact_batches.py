@@ -18,7 +18,8 @@ from tf_nvlink.util import json_workers
 
 TARGET = 1e-5
 CORE = ["last_batch_1", "last_batch_3", "last_batch_33", "batch_size_5", "accumulate_2"]
-MORE = ["even_66", "accumulate_4", "sample_weight", "validation_split", "steps_per_execution_3", "lr_schedule"]
+MORE = ["even_66", "accumulate_4", "sample_weight", "validation_split", "steps_per_execution_3", "lr_schedule",
+        "lr_callback", "class_weight", "save_and_load"]
 
 DRIVER = r'''
 import json, sys
@@ -89,7 +90,7 @@ def test_uneven_batches_and_accumulation_match_one_device(two_replicas, mode):
 @pytest.mark.slow
 def test_four_replicas_and_the_rest_of_fit_and_custom_loops_match_one_device():
     """batch_size=7 on 4 replicas; accumulation 4, sample_weight, validation_split, steps_per_execution=3 with a
-    partial execution, a learning-rate schedule and custom loops with tf_nvlink.average_loss on 2 replicas."""
+    partial execution, a learning-rate schedule and callback, class_weight, save and load, and custom loops with tf_nvlink.average_loss on 2 replicas."""
     processes = [start(4, False, ["plain", "split"], ["batch_size_7", "last_batch_1"]),
                  start(4, True, ["fused"], ["batch_size_7", "last_batch_1"]),
                  start(2, False, ["plain", "split"], MORE, custom=True),

@@ -33,43 +33,68 @@ SCENARIOS: dict[str, dict] = {
     "validation_split": {"examples": 80, "batch_size": 16, "validation_split": 0.2, "epochs": 2},
     "steps_per_execution_3": {"examples": 67, "batch_size": 8, "steps_per_execution": 3},
     "lr_schedule": {"examples": 67, "batch_size": 16, "schedule": True},
+    "lr_callback": {"examples": 67, "batch_size": 16, "lr_callback": True, "epochs": 2},
+    "class_weight": {"examples": 67, "batch_size": 16, "classes": 3, "class_weight": {0: 1.0, 1: 2.0, 2: 0.5}},
+    "save_and_load": {"examples": 67, "batch_size": 32, "save_and_load": True},
 }
 
 
-def _data(examples: int, seed: int = 0):
+def _data(examples: int, seed: int = 0, classes: int = 0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(examples, 8)).astype("float32")
     y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(examples, 1))).astype("float32")
     weights = rng.uniform(0.2, 2.0, size=(examples,)).astype("float32")
+    if classes:  # labels 0..classes-1 from the regression target's quantiles
+        y = np.digitize(y[:, 0], np.quantile(y[:, 0], np.linspace(0, 1, classes + 1)[1:-1])).astype("int64")
     return x, y, weights
 
 
 def _train(settings: dict, initial_weights, jit_compile, strategy=None):
+    import tempfile  # noqa: PLC0415
+
     import keras  # noqa: PLC0415
 
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
-        model = _model()
+    def scope():
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    classes = settings.get("classes", 0)
+    with scope():
+        model = _model(classes)
         model.set_weights(initial_weights)
         learning_rate = 0.1
         if settings.get("schedule"):
             learning_rate = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
         optimizer = keras.optimizers.SGD(learning_rate,
                                          gradient_accumulation_steps=settings.get("accumulation"))
-        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile,
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy" if classes else "mse",
+                      metrics=["accuracy" if classes else "mae"], jit_compile=jit_compile,
                       steps_per_execution=settings.get("steps_per_execution", 1))
-    x, y, sample_weight = _data(settings["examples"])
-    history = model.fit(x, y, batch_size=settings["batch_size"], epochs=settings.get("epochs", 1), shuffle=False,
-                        verbose=0,
-                        sample_weight=sample_weight if settings.get("sample_weight") else None,
-                        validation_split=settings.get("validation_split", 0.0))
-    return model.get_weights(), history.history
+    x, y, sample_weight = _data(settings["examples"], classes=classes)
+    callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)] \
+        if settings.get("lr_callback") else []
+
+    def fit():
+        return model.fit(x, y, batch_size=settings["batch_size"], epochs=settings.get("epochs", 1), shuffle=False,
+                         verbose=0, sample_weight=sample_weight if settings.get("sample_weight") else None,
+                         validation_split=settings.get("validation_split", 0.0), callbacks=callbacks,
+                         class_weight=settings.get("class_weight")).history
+
+    history = fit()
+    if settings.get("save_and_load"):  # save, load under the same strategy, train on
+        with tempfile.TemporaryDirectory() as folder:
+            path = f"{folder}/model.keras"
+            model.save(path)
+            with scope():
+                model = keras.saving.load_model(path)
+        history = fit()
+    return model.get_weights(), history
 
 
-def _model():
+def _model(classes: int = 0):
     import keras  # noqa: PLC0415
 
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+    head = keras.layers.Dense(classes, activation="softmax") if classes else keras.layers.Dense(1)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), head])
 
 
 _SINGLE_DEVICE: dict[str, tuple] = {}  # scenario -> (initial weights, final weights, logs) on one device
@@ -88,7 +113,7 @@ def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
         settings = SCENARIOS[name]
         if name not in _SINGLE_DEVICE:  # the same for every strategy and mode in this process
             keras.utils.set_random_seed(1)
-            initial = _model().get_weights()
+            initial = _model(settings.get("classes", 0)).get_weights()
             _SINGLE_DEVICE[name] = (initial, *_train(settings, initial, jit_compile=False))
         initial, single_weights, single_logs = _SINGLE_DEVICE[name]
         try:
