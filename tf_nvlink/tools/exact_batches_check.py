@@ -1,10 +1,11 @@
 """Does a strategy train every batch as one device does? Runs `model.fit` scenarios under a strategy and the
 same training on one device in the same process, and reports how far apart the weights and logs end.
 
-Each scenario is a small regression model (8 inputs, Dense 4 relu, Dense 1, mean squared error, SGD 0.1,
-float32) trained for one epoch (two with validation) without shuffling from the same initial weights; the numbers are the largest
-absolute differences from the single-device run: `weights` (every weight), `loss` (the logged loss of every
-epoch), `metrics` (the logged mean absolute error and, with validation, `val_loss`).
+Each scenario is a small model (8 inputs, Dense 4 relu, then Dense 1 with mean squared error, or a 3-class
+softmax for `class_weight`; SGD 0.1, float32) trained for one epoch (two with validation or a learning-rate
+callback) without shuffling from the same initial weights; the numbers are the largest absolute differences
+from the single-device run: `weights` (every weight), `loss` (the logged loss of every epoch), `metrics` (every
+other logged value: the compiled metric, and `val_loss`/`val_*` with validation).
 
 Example:
     >>> strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
