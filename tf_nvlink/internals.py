@@ -230,10 +230,15 @@ def _accumulate_without_merge_call(optimizer, original_apply, grads, trainable_v
     (the private `MirroredExtended._use_merge_call`, which TensorFlow itself turns off under XLA on GPUs, and
     which the fused mode relies on): each replica updates its own copy of every accumulator and variable with
     the same values, so the copies stay identical, and the optimizer's step counters are kept per replica
-    (`_replica_local`). The gradient all-reduce hook skips the all-reduce for these gradients."""
+    (`_replica_local`). The optimizer's `_all_reduce_sum_gradients` (an instance attribute set here) passes
+    these gradients through rather than all-reducing them again."""
     pairs = [(g, v) for g, v in zip(grads, trainable_variables if trainable_variables is not None
                                      else optimizer._trainable_variables)]
     reduced = optimizer._all_reduce_sum_gradients(pairs)  # noqa: SLF001 - tf_nvlink's hook, bfloat16 included
+    if "_all_reduce_sum_gradients" not in optimizer.__dict__:  # Keras' update step must not all-reduce them again
+        reduce_sum = optimizer._all_reduce_sum_gradients  # noqa: SLF001
+        optimizer._all_reduce_sum_gradients = lambda grads_and_vars: (
+            list(grads_and_vars) if gradients_already_reduced() else reduce_sum(grads_and_vars))
     extended = optimizer._distribution_strategy.extended  # noqa: SLF001
     if "_use_merge_call" not in extended.__dict__:
         merge_call_default = extended._use_merge_call  # noqa: SLF001

@@ -24,8 +24,6 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tf_nvlink import internals
-
 _ORIGINAL: dict[str, Callable] = {}
 _LOCK = threading.Lock()
 
@@ -45,8 +43,6 @@ def install_gradient_allreduce_hook() -> None:
             if plan is None or context is None:
                 return original(self, grads_and_vars)
             pairs = list(grads_and_vars)
-            if internals.gradients_already_reduced():  # gradient accumulation all-reduced them before Keras' cond
-                return pairs
             if context.num_replicas_in_sync == 1:
                 filter_empty_gradients(pairs)  # Keras' checks: all None raises, some None warns
                 return pairs
