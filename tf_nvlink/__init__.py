@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
 __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "sync_non_trainable",
-           "synced_step", "__version__"]
+           "synced_step", "average_loss", "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -76,6 +76,25 @@ def synced_step(model, step):
     from tf_nvlink.training import replica_sync
 
     return replica_sync.synced_step(model, step)
+
+
+def average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+    """A custom training loop's loss in a replica step: the sum of the per-example losses over the GLOBAL batch's
+    example count (all-reduced when `global_batch_size` is None), so the summed gradients are one device's for
+    any split of the batch. See `tf_nvlink.training.exact_batches.average_loss`.
+
+    Example:
+        >>> def step(x, y):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = tf_nvlink.average_loss(keras.losses.mean_squared_error(y, model(x, training=True)))
+        ...     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+        ...                                   model.trainable_variables))
+        >>> strategy.run(step, args=(x, y))
+    """
+    from tf_nvlink.training import exact_batches
+
+    return exact_batches.average_loss(per_example_loss, sample_weight=sample_weight,
+                                      global_batch_size=global_batch_size)
 
 
 def __getattr__(name):

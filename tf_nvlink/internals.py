@@ -100,9 +100,10 @@ def uninstall_keras_hooks() -> None:
         trainer = _keras_trainer_class()
         for name, original in list(_STATE.originals.items()):
             owner, _, attribute = name.rpartition(".")
-            if owner and owner not in _OPTIMIZER_CLASSES:
+            owners = {**_OPTIMIZER_CLASSES, "loss_module": _keras_loss_module}
+            if owner and owner not in owners:
                 continue  # the gradient all-reduce and the write recorder have their own restore
-            setattr(_OPTIMIZER_CLASSES[owner]() if owner else trainer, attribute, original)
+            setattr(owners[owner]() if owner else trainer, attribute, original)
             del _STATE.originals[name]
 
 
@@ -113,6 +114,27 @@ def fully_built(model) -> bool:
                 getattr(model, "optimizer", None)]
     return all(layer.built for layer in model._flatten_layers()) and all(
         part is None or part.built for part in compiled)
+
+
+def symbolic_build_from_one_replica(model, iterator=None, data_batch=None) -> None:
+    """Keras' `TensorFlowTrainer._maybe_symbolic_build` (3.12 to 3.15), building from the first replica's share
+    of the first batch instead of the MEAN of all replicas' shares.
+
+    Why: Keras reduces the per-replica batches with `strategy.reduce("MEAN")` only to get one batch whose shapes
+    build the model, and that AddN fails when the shares differ in size (`batch_size=5` on 2 replicas: "Inputs
+    to operation AddN ... must have the same size and shape. Input 0: [3,8] != input 1: [2,8]"). One replica's
+    share has the same structure and feature shapes. Private Keras touched: `model._symbolic_build`."""
+    if model._distribute_strategy is None:  # noqa: SLF001 - as Keras: build when the step is traced
+        return
+    strategy = model.distribute_strategy
+    if iterator is not None:
+        for _, _, batches in iterator:
+            data_batch = tf.nest.map_structure(
+                lambda value: strategy.experimental_local_results(value)[0]
+                if isinstance(value, tf.distribute.DistributedValues) else value, next(batches))
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
 
 
 def fused_allreduce_possible(strategy) -> bool:
@@ -188,6 +210,8 @@ def _install_optimizer_hooks() -> None:
             if mode is None:  # any update under a tf_nvlink strategy: fit with or without XLA, split updates
                 if not _under_tf_nvlink(self):
                     return _original(self, grads, trainable_variables)
+                if getattr(self, "gradient_accumulation_steps", None) and _merge_call_in_use(self):
+                    return _accumulate_without_merge_call(self, _original, grads, trainable_variables)
                 with _agreed_finite_check(self):
                     return _original(self, dense_gradients_in_xla(grads), trainable_variables)
             if not self.built and trainable_variables is not None:
@@ -205,6 +229,55 @@ def _install_optimizer_hooks() -> None:
                 _TRACING.depth = 0
 
         cls.apply = apply
+
+
+_NO_MERGE_CALL = threading.local()
+
+
+def gradients_already_reduced() -> bool:
+    """True while `_accumulate_without_merge_call` applies gradients it has all-reduced already (this thread)."""
+    return getattr(_NO_MERGE_CALL, "active", False)
+
+
+def _merge_call_in_use(optimizer) -> bool:
+    context = tf.distribute.get_replica_context()
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    return (context is not None and context.num_replicas_in_sync > 1 and not tf.executing_eagerly()
+            and strategy is not None and strategy.extended._use_merge_call())  # noqa: SLF001
+
+
+def _accumulate_without_merge_call(optimizer, original_apply, grads, trainable_variables):
+    """`gradient_accumulation_steps` under a merge_call MirroredStrategy (plain mode, split mode's update).
+
+    Why: Keras 3 (3.12 to 3.15 checked) decides between "accumulate" and "accumulate and update" in a `tf.cond`
+    inside `BaseOptimizer._backend_apply_gradients`, and both branches reach `merge_call` (the gradient
+    all-reduce, `maybe_merge_call` around the variable updates): "RuntimeError: Exception encountered when calling
+    Cond.call(). `merge_call` called while defining a new graph". Stock MirroredStrategy fails the same way.
+    Here the gradients are all-reduced first, outside the cond (every replica then holds the same global-batch
+    gradients), and Keras' `apply` runs on them with this replica thread on MirroredStrategy's no-merge_call path
+    (the private `MirroredExtended._use_merge_call`, which TensorFlow itself turns off under XLA on GPUs, and
+    which the fused mode relies on): each replica updates its own copy of every accumulator and variable with
+    the same values, so the copies stay identical, and the optimizer's step counters are kept per replica
+    (`_replica_local`). The optimizer's `_all_reduce_sum_gradients` (an instance attribute set here) passes
+    these gradients through rather than all-reducing them again."""
+    pairs = [(g, v) for g, v in zip(grads, trainable_variables if trainable_variables is not None
+                                     else optimizer._trainable_variables)]
+    reduced = optimizer._all_reduce_sum_gradients(pairs)  # noqa: SLF001 - tf_nvlink's hook, bfloat16 included
+    if "_all_reduce_sum_gradients" not in optimizer.__dict__:  # Keras' update step must not all-reduce them again
+        reduce_sum = optimizer._all_reduce_sum_gradients  # noqa: SLF001
+        optimizer._all_reduce_sum_gradients = lambda grads_and_vars: (
+            list(grads_and_vars) if gradients_already_reduced() else reduce_sum(grads_and_vars))
+    extended = optimizer._distribution_strategy.extended  # noqa: SLF001
+    if "_use_merge_call" not in extended.__dict__:
+        merge_call_default = extended._use_merge_call  # noqa: SLF001
+        extended._use_merge_call = lambda: (not gradients_already_reduced()) and merge_call_default()
+    _NO_MERGE_CALL.active = True
+    try:
+        with replica_local(only_first_replica_variables(optimizer)):
+            return original_apply(optimizer, [g for g, _ in reduced],
+                                  None if trainable_variables is None else [v for _, v in reduced])
+    finally:
+        _NO_MERGE_CALL.active = False
 
 
 class OptimizerNotBuiltWhileTracing(Exception):  # noqa: N818 - a signal to the step, not an error for users
@@ -358,6 +431,16 @@ def in_xla_context() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+def cross_replica_sum_impossible_here() -> bool:
+    """True inside a jit-compiled step of a strategy that merges across replicas with merge_call (split mode):
+    there a replica-context all-reduce cannot be compiled into the replica's XLA program.
+
+    Why: whether the strategy uses merge_call is only the private `MirroredExtended._use_merge_call()`
+    (TensorFlow 2.16 to 2.21 checked); TensorFlow answers False for all-GPU replicas under XLA (fused mode).
+    """
+    return in_xla_context() and tf.distribute.get_strategy().extended._use_merge_call()  # noqa: SLF001
+
+
 class CrossReplicaCallInXlaError(ValueError):
     """A split-mode step (XLA per replica, all-reduce outside) asked for a cross-replica merge inside XLA."""
 
@@ -432,7 +515,11 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
       tf.distribute"); under ours it is Keras' rule without a strategy (`model_supports_jit`, with a GPU).
     - `_maybe_symbolic_build` (where it exists): skipped once the model is fully built (`fully_built`): Keras
       makes a distributed iterator at every fit/evaluate only to build nothing (about 100 ms per call on a CPU).
+      Before that, the build takes the first replica's share of the first batch
+      (`symbolic_build_from_one_replica`): Keras' MEAN of the shares fails when they differ in size.
     - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (`_install_optimizer_hooks`).
+    - `keras.src.losses.loss.scale_loss_for_distribution` / `unscale_loss_for_distribution`
+      (`_install_loss_share_hooks`, the exact-batch rule).
     """
     with _STATE.lock:
         if "_make_function" in _STATE.originals:
@@ -476,12 +563,15 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
             keras_build = _STATE.originals["_maybe_symbolic_build"] = trainer._maybe_symbolic_build
 
             def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-                if is_ours(self.distribute_strategy) and fully_built(self):
+                if not is_ours(self.distribute_strategy):
+                    return keras_build(self, iterator=iterator, data_batch=data_batch)
+                if fully_built(self):
                     return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
-                return keras_build(self, iterator=iterator, data_batch=data_batch)
+                return symbolic_build_from_one_replica(self, iterator=iterator, data_batch=data_batch)
 
             trainer._maybe_symbolic_build = _maybe_symbolic_build
         _install_optimizer_hooks()
+        _install_loss_share_hooks()
         return None
 
 
@@ -721,6 +811,60 @@ def emulate_fused_mode_on_cpu() -> None:
 def per_replica_jit_compile() -> bool:
     """Whether per-replica steps compile with XLA (always, except under `emulate_fused_mode_on_cpu`)."""
     return not _STATE.fused_emulated_on_cpu
+
+
+# ==== Keras' per-replica loss scale (the exact-batch rule of tf_nvlink.training.exact_batches) ==============
+
+_LOSS_SHARE = threading.local()  # each replica traces its step in its own thread
+
+
+def _keras_loss_module():
+    from keras.src.losses import loss as loss_module  # noqa: PLC0415
+
+    return loss_module
+
+
+
+
+@contextlib.contextmanager
+def loss_share_while_tracing(share):
+    """While one replica's train step is traced: Keras scales that replica's mean loss by `share` (a float32
+    scalar tensor, the replica's examples over the global batch's) instead of 1/num_replicas.
+
+    Why: Keras 3 (3.12 to 3.15 checked) scales every replica's mean loss by 1/num_replicas in the module functions
+    `keras.src.losses.loss.scale_loss_for_distribution` (the compiled loss, the regularisation losses) and undoes
+    it for the logged loss with `unscale_loss_for_distribution`; with a last batch split 1 + 0 the step's
+    gradient is then half the single-device one. The hooks (`_install_loss_share_hooks`) read this thread-local
+    share; with none set they run Keras' own functions."""
+    saved = getattr(_LOSS_SHARE, "value", None)
+    _LOSS_SHARE.value = share
+    try:
+        yield
+    finally:
+        _LOSS_SHARE.value = saved
+
+
+def _install_loss_share_hooks() -> None:
+    """Replace Keras' scale/unscale_loss_for_distribution (called with _STATE.lock held)."""
+    module = _keras_loss_module()
+    scale, unscale = module.scale_loss_for_distribution, module.unscale_loss_for_distribution
+    _STATE.originals["loss_module.scale_loss_for_distribution"] = scale
+    _STATE.originals["loss_module.unscale_loss_for_distribution"] = unscale
+
+    def scale_loss_for_distribution(value):
+        share = getattr(_LOSS_SHARE, "value", None)
+        if share is None:
+            return scale(value)
+        return value * tf.cast(share, value.dtype)
+
+    def unscale_loss_for_distribution(value):
+        share = getattr(_LOSS_SHARE, "value", None)
+        if share is None:
+            return unscale(value)
+        return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))  # a replica with 0 examples logs 0
+
+    module.scale_loss_for_distribution = scale_loss_for_distribution
+    module.unscale_loss_for_distribution = unscale_loss_for_distribution
 
 
 # ==== TensorFlow profiler traces (the step doctor) ===========================================================

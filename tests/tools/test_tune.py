@@ -315,3 +315,17 @@ def test_report_and_auto_plan_show_a_stored_winner():
     single, _ = policy.decide(facts, gpus="0")  # one GPU: no winner applies; only the step knobs are added
     assert single == step_options.choose_knobs(policy.make_plan(topo, gpus="0"))
     assert (single.cross_device_ops, single.input_buffer) == (policy.make_plan(topo, gpus="0").cross_device_ops, 1)
+
+
+def test_list_with_a_folder_at_the_cache_path_warns_and_names_it(cache, caplog):
+    """`tf-nvlink tune --list` when autotune.json is a folder: a warning naming the path, no traceback."""
+    path = cache / "autotune.json"
+    path.mkdir(parents=True)
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing), caplog.at_level(logging.WARNING, logger="tf_nvlink"):
+        assert tune.run(parser.parse_args(["--list"])) == 0
+    assert "(0 entries)" in listing.getvalue() or "no" in listing.getvalue().lower()
+    assert [str(path) in r.getMessage() and "not a regular file" in r.getMessage() for r in warnings_of(caplog)] \
+        == [True]

@@ -158,6 +158,23 @@ def test_keras_internals_the_hook_relies_on():
     symbolic_build = inspect.getsource(internals._STATE.originals.get("_maybe_symbolic_build",
                                                                 TensorFlowTrainer._maybe_symbolic_build))
     assert "self._symbolic_build(data_batch=data_batch)" in symbolic_build
+    assert "for _, _, it in iterator:" in symbolic_build  # symbolic_build_from_one_replica reads it the same way
+    # exact_batches: Keras scales each replica's loss in these module functions, looked up at every call.
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers import compile_utils
+    scale = inspect.getsource(install._STATE.originals.get("loss_module.scale_loss_for_distribution",
+                                                           loss_module.scale_loss_for_distribution))
+    assert "1.0 / num_replicas" in scale
+    assert "scale_loss_for_distribution(loss)" in inspect.getsource(loss_module.reduce_values)
+    assert "loss_module.unscale_loss_for_distribution(loss)" in inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
+    assert "loss_module.scale_loss_for_distribution(loss)" in inspect.getsource(
+        tf_trainer.TensorFlowTrainer._aggregate_additional_loss)
+    assert "loss_module.unscale_loss_for_distribution(value)" in inspect.getsource(compile_utils.CompileLoss.call)
+    # gradient accumulation: Keras' cond whose branches reach merge_call, and MirroredStrategy's no-merge_call switch
+    assert "ops.cond(" in inspect.getsource(BaseOptimizer._backend_apply_gradients)
+    from tensorflow.python.distribute import mirrored_strategy
+    assert "if self._use_merge_call():" in inspect.getsource(mirrored_strategy.MirroredExtended._replica_ctx_update)
     checks = inspect.getsource(keras.src.trainers.trainer.Trainer._symbolic_build)  # what fully_built() mirrors
     for built in ("layer.built for layer in self._flatten_layers()", "self._compile_metrics.built",
                   "self._compile_loss.built", "self.optimizer.built"):

@@ -159,12 +159,13 @@ def _read_entries(path: str) -> dict[str, dict]:
     except OSError as exc:
         _warn_once(path, None, f"cannot read the autotune cache {path} ({exc}); ignoring it")
         return {}
+    stat = os.fstat(fd)
+    if not S_ISREG(stat.st_mode):  # checked before fdopen, which refuses a folder (IsADirectoryError)
+        os.close(fd)
+        _warn_once(path, stat, f"ignoring the autotune cache {path}: it is not a regular file (a FIFO, device or "
+                               f"folder); the next `tf-nvlink tune` replaces it")
+        return {}
     with os.fdopen(fd, "rb") as handle:
-        stat = os.fstat(fd)
-        if not S_ISREG(stat.st_mode):
-            _warn_once(path, stat, f"ignoring the autotune cache {path}: it is not a regular file (a FIFO, device or "
-                                   f"folder); the next `tf-nvlink tune` replaces it")
-            return {}
         try:
             raw = handle.read(MAX_CACHE_BYTES + 1)
         except OSError as exc:

@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tf_nvlink import internals
 from tf_nvlink.distribute import base
-from tf_nvlink.training import gradient_allreduce, replica_sync
+from tf_nvlink.training import exact_batches, gradient_allreduce, replica_sync
 from tf_nvlink.training.per_replica_steps import PerReplicaCustomStep, PerReplicaXlaStep
 
 log = internals.log
@@ -76,7 +76,10 @@ def _per_replica_wanted(model) -> bool:
 def _make_function(model, step_function: Callable, keras_make_function: Callable):
     """The train/test function of a model under a tf_nvlink strategy (see the module doc)."""
     if not _per_replica_wanted(model):  # replica_sync.keep_replicas_in_sync: BatchNorm statistics
-        return keras_make_function(replica_sync.keep_replicas_in_sync(model, step_function))
+        step = replica_sync.keep_replicas_in_sync(model, step_function)
+        if step_function == model.train_step and model.distribute_strategy.num_replicas_in_sync > 1:
+            step = exact_batches.weighted_by_examples(step)  # every batch trains as on one device
+        return keras_make_function(step)
     kind = "train" if step_function == model.train_step else "test"
     strategy = model.distribute_strategy
     step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))

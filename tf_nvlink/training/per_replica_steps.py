@@ -10,8 +10,9 @@ import tensorflow as tf
 
 from tf_nvlink import internals
 from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, build_optimizer,
-                                 merge_call_explained, only_first_replica_variables, optimizer_calls,
-                                 replica_local)
+                                 loss_share_while_tracing, merge_call_explained, only_first_replica_variables,
+                                 optimizer_calls, replica_local)
+from tf_nvlink.training.exact_batches import examples_in, replica_share
 
 
 class PerReplicaXlaStep:
@@ -41,8 +42,9 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            with replica_local(only_first_replica_variables(optimizer)):  # the apply hook agrees on finite
-                return step_function(data)
+            share = replica_share(examples_in(data))  # in this replica's XLA program, as the gradients' all-reduce
+            with replica_local(only_first_replica_variables(optimizer)), loss_share_while_tracing(share):
+                return step_function(data)  # the apply hook agrees on finite
 
         return body
 
@@ -58,9 +60,9 @@ class PerReplicaXlaStep:
             return self._compiled[replica_id]
 
     def _train_body(self, replica_id: int) -> Callable:
-        def body(data):
-            with optimizer_calls("catch") as caught:  # the apply hook records the update instead of running it
-                logs = self.step_function(data)
+        def body(data, share):
+            with optimizer_calls("catch") as caught, loss_share_while_tracing(share):
+                logs = self.step_function(data)  # the apply hook records the update instead of running it
             if not caught:
                 raise UnsupportedKerasError(
                     "tf_nvlink's per-replica XLA needs train_step to update weights through "
@@ -83,8 +85,9 @@ class PerReplicaXlaStep:
         compiled = self._compiled_for(replica_id)
         if self.fused:
             return compiled(data)
+        share = replica_share(examples_in(data))  # outside XLA: split mode all-reduces through merge_call
         with merge_call_explained():
-            logs, grads = compiled(data)
+            logs, grads = compiled(data, share)
         for (optimizer, variables), call_grads in zip(self._updates[replica_id], grads):
             if variables:
                 # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
