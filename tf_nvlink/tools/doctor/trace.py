@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
 import os
 
 KINDS = ("compute", "collective", "h2d", "d2h", "d2d")
@@ -67,8 +68,10 @@ class GpuActivity:
 
 
 def find_trace(logdir: str) -> str:
-    """The newest `.xplane.pb` the profiler wrote under `logdir`; TraceError naming `logdir` when there is none."""
-    paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    """The newest `.xplane.pb` the profiler wrote under `logdir` (or a kept `.xplane.pb.gz`); TraceError naming
+    `logdir` when there is none."""
+    paths = [path for pattern in ("*.xplane.pb", "*.xplane.pb.gz")
+             for path in glob.glob(os.path.join(logdir, "plugins", "profile", "*", pattern))]
     if not paths:
         raise TraceError(f"the profiler wrote no .xplane.pb under {logdir}/plugins/profile")
     return max(paths, key=os.path.getmtime)
@@ -80,7 +83,7 @@ def load_space(path: str):
 
     space = internals.xplane_protobuf_module().XSpace()
     try:
-        with open(path, "rb") as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             space.ParseFromString(f.read())
     except (OSError, ValueError) as exc:  # protobuf's DecodeError is a ValueError
         raise TraceError(f"cannot read the trace {path}: {exc}") from exc

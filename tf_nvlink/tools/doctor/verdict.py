@@ -2,7 +2,8 @@
 help most, each with its predicted gain.
 
 - host-bound: the GPU idles (waits for the host). The per-call gap is paid once per call, so
-  `steps_per_execution=N` saves `gap * (calls per step - 1/N)` per step.
+  `steps_per_execution=N` saves `gap * (calls per step - 1/N) * GAP_REMOVED_BY_MULTI_STEP` per step (the loop's
+  steps still launch one by one).
 - input-bound: host-to-device copies not hidden behind compute. float32 input sent as uint8 moves a quarter of the
   bytes (saves 3/4 of the exposed copy); prefetching to the devices hides the copy (saves all of it).
 - link-bound: the all-reduce not hidden behind compute. `allreduce_dtype="bfloat16"` halves the bytes: the saving is
@@ -32,6 +33,10 @@ BOUND_FRACTION = 0.15
 STEPS_PER_EXECUTION_CHOICES = (2, 4, 8, 16, 32)
 # steps_per_execution is raised until the per-call gap left per step is at most this fraction of the step.
 REMAINING_GAP_FRACTION = 0.02
+# The share of the per-call gap that Keras' multi-step loop removes: each step inside the loop still launches its
+# XLA program and takes its batch from the iterator, so only part of the idle time between calls goes away. Fitted
+# to the step doctor's runs on 1x H200 (docs/results.md: ResNet-50 0.61, the 368M Transformer 0.52 of the gap).
+GAP_REMOVED_BY_MULTI_STEP = 0.55
 LATENCY_HIDING_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 
@@ -103,10 +108,10 @@ def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Opt
     if not larger:
         return None
     chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * b.step_ms), larger[-1])
-    saved = now - b.per_call_gap_ms / chosen
+    saved = (now - b.per_call_gap_ms / chosen) * GAP_REMOVED_BY_MULTI_STEP
     return _advice(f"steps_per_execution={chosen}",
                    f"each training-function call leaves the GPU idle {b.per_call_gap_ms:.2f} ms between calls; "
-                   f"{chosen} steps per call pay it once", saved, b.step_ms)
+                   f"{chosen} steps per call pay the call's share of it once", saved, b.step_ms)
 
 
 def input_advice(b: ReplicaBreakdown, context: StepContext) -> Optional[Advice]:
