@@ -313,3 +313,47 @@ def test_report_and_auto_plan_show_a_stored_winner():
     single, _ = policy.decide(facts, gpus="0")  # one GPU: no winner applies; only the step knobs are added
     assert single == step_options.choose_knobs(policy.make_plan(topo, gpus="0"))
     assert (single.cross_device_ops, single.input_buffer) == (policy.make_plan(topo, gpus="0").cross_device_ops, 1)
+
+
+# ---------------------------------------------------------------- no measurement lost to an unusable cache
+def fake_measure(calls, before_return=None):
+    """allreduce_bench.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
+    def measure(candidates, target, sizes, **_):
+        calls.append(list(sizes))
+        if before_return:
+            before_return()
+        output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
+                  "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
+        return allreduce_bench.to_records(output, allreduce_bench.parse_candidate("reduce_to_one"), target), []
+    return measure
+
+
+BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", "1K", "--iters", "1"]
+
+
+def test_main_refuses_an_unusable_cache_before_measuring(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    calls = []
+    monkeypatch.setattr(allreduce_bench, "measure", fake_measure(calls))
+    with pytest.raises(SystemExit) as info:
+        tune.main(BENCH_ARGS)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and calls == [], err
+    assert "cannot be written" in err and "TF_NVLINK_CACHE_DIR" in err and "Traceback" not in err, err
+
+
+def test_main_prints_the_result_when_storing_it_fails(tmp_path, monkeypatch, capsys):
+    import shutil
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(cache))
+
+    def break_the_cache():  # the folder becomes a file while measuring
+        shutil.rmtree(cache)
+        cache.write_text("not a folder")
+    calls = []
+    monkeypatch.setattr(allreduce_bench, "measure", fake_measure(calls, before_return=break_the_cache))
+    code = tune.main(BENCH_ARGS)
+    out, err = capsys.readouterr()
+    assert code == 1 and calls == [[1024]]
+    assert "winner reduce_to_one" in out and "could not store the winner" in err and "Traceback" not in err, err
