@@ -266,6 +266,7 @@ class TestStoredChoice:
 
 
 # ------------------------------------------------------------------------------------ one real CPU run
+@pytest.mark.slow  # real worker processes; the tests above cover tune with a fake spawn
 def test_tune_end_to_end_on_cpu(cache):
     """`tf-nvlink tune` over 2 logical CPU devices, tiny sizes: two worker processes, a winner stored."""
     parser = argparse.ArgumentParser()
