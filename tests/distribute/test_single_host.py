@@ -365,7 +365,6 @@ def test_bad_devices_argument(faked_machines, name):
     assert error.startswith("ValueError: ") and f"devices={devices!r}" in error and "['/gpu:0', '/gpu:1']" in error
 
 
-
 def test_strategy_maps_mixed_gpu_models_by_pci(faked_machines):
     assert faked_machines["mixed, CUDA_VISIBLE_DEVICES=0, gpus=all"]["plan"]["gpus"] == [1]
     assert faked_machines["mixed, CUDA_VISIBLE_DEVICES=0, gpus=[1]"]["plan"]["gpus"] == [1]

@@ -330,8 +330,8 @@ ERRORS = {"NotSupported": pynvml.NVML_ERROR_NOT_SUPPORTED, "Unknown": pynvml.NVM
 
 
 # NVLink traffic calls (issue 17), not the probe's: nvml.NvLinkCounterReader's (its failures are tested in
-# test_monitor.py) and the old utilization counter it does not use. The fake answers them; the table above is the
-# probe's.
+# tests/training/test_nvlink_monitor.py) and the old utilization counter it does not use. The fake answers them;
+# the table above is the probe's.
 COUNTER_CALLS = {"nvmlDeviceGetMigMode", "nvmlDeviceGetFieldValues", "nvmlDeviceGetNvLinkUtilizationCounter"}
 
 
@@ -386,7 +386,6 @@ def test_real_nvml_library_missing_on_this_machine():
         pytest.skip(f"this machine has {len(topo.gpus)} NVIDIA GPU(s)")
     assert topo.error.startswith("no NVIDIA driver / NVML: ") and "falls back to the CPU" in topo.error
     assert "\n" not in topo.error
-
 
 
 def test_topology_error_stays_one_line():

@@ -26,7 +26,6 @@ def mesh_of(edges, n=8, name="Tesla V100-SXM2-16GB"):
     return nvml.probe(FakeNvml(machine))
 
 
-
 DGX1 = "dgx1_v100_x8"
 QUADS_FIRST = [0, 1, 2, 3, 4, 5, 6, 7]  # DGX-1: quads 0-3 and 4-7, i <-> i+4 linked
 

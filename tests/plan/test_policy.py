@@ -190,7 +190,7 @@ def test_bad_gpus_without_any_gpu_are_still_refused(gpus):
     """A malformed request fails on a laptop too, not first on the GPU machine (well-formed ones name the reason)."""
     raises_naming(lambda: policy.make_plan(topo_of("no_driver"), gpus), f"gpus={gpus!r}")
     assert policy.make_plan(topo_of("no_driver"), "all").gpus == ()  # "all" falls back to the CPU
-    # (well-formed indices raise since issue 15 item 5: tests/test_reliability_round2.py)
+    # (well-formed indices raise without a usable GPU: test_explicit_gpus_without_a_usable_gpu_raise_all_and_auto_fall_back)
 
 
 OPS_CASES = ["NCCL", "ring", "", None, "hierarchical_copy", 42]
@@ -206,7 +206,6 @@ def test_unknown_cross_device_ops(ops):
 def test_bad_num_packs(num_packs):
     raises_naming(lambda: policy.make_plan(topo_of(H200), "all", "nccl", num_packs=num_packs),
                    f"num_packs={num_packs!r}", "non-negative integer", "None")
-
 
 
 POLICY_INPUTS = [  # (id, call, needles)
@@ -255,12 +254,10 @@ def test_hierarchical_halves_are_the_nvlink_quads_whatever_the_request_order(req
     assert sorted(plan.gpus) == QUADS_FIRST
 
 
-
 def test_summary_of_a_plan_on_unmapped_gpus_names_the_tensorflow_devices():
     plan = policy.make_plan(topo_of("h200_x2"), "all", visible=[])
     on_mig = dataclasses.replace(plan, devices=("/device:GPU:0",), reason="MIG instance(s) ['MIG-x']")
     assert "TensorFlow devices ['/device:GPU:0']" in on_mig.summary() and "CPU" not in on_mig.summary()
-
 
 
 @pytest.mark.parametrize("machine, gpus, needle", [

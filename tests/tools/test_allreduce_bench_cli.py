@@ -50,7 +50,6 @@ def test_json_write_failing_after_measuring_prints_the_records(tmp_path, monkeyp
     assert err.count("error") == 1 and "Traceback" not in err
 
 
-
 GOOD_RECORD = {"label": "nccl:1", "candidate": "nccl:1", "variant": "", "size_bytes": 1024, "status": "ok",
                "busbw": 1.5, "wrong": 0}
 
