@@ -39,7 +39,14 @@ def pytest_collection_finish(session):
     """Scenario processes (tests/scenarios.py) of the collected modules start now, in the background."""
     import scenarios
 
-    scenarios.start_for(session.items)
+    if not session.config.option.collectonly:
+        scenarios.start_for(session.items)
+
+
+def pytest_sessionfinish(session):
+    import scenarios
+
+    scenarios.stop_all()
 
 
 def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):

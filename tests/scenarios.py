@@ -51,7 +51,7 @@ class Scenario:
         self.name, self.prelude, self.cases = name, prelude, dict(cases)
         self.env, self.timeout = dict(env or {}), timeout
         self.module = sys._getframe(1).f_globals.get("__file__")
-        self._started, self._done = False, threading.Event()
+        self._started, self._done, self._proc = False, threading.Event(), None
         self._answers, self._failure = None, None
         _DECLARED.append(self)
 
@@ -70,15 +70,22 @@ class Scenario:
         env.setdefault("TF_NVLINK_CACHE_DIR", tempfile.mkdtemp(prefix=f"tf_nvlink_scenario_{self.name}_"))
         began = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(self.cases), self.prelude], env=env,
-                                  cwd=ROOT, capture_output=True, text=True, timeout=self.timeout)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("SCENARIO ")]
-            if proc.returncode == 0 and lines:
+            self._proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(self.cases), self.prelude],
+                                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True)
+            try:
+                stdout, stderr = self._proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                stdout, stderr = self._proc.communicate()
+            lines = [line for line in stdout.splitlines() if line.startswith("SCENARIO ")]
+            if self._proc.returncode == 0 and lines:
                 self._answers = json.loads(lines[-1][len("SCENARIO "):])
             else:
-                self._failure = (f"scenario process {self.name!r} exited with {proc.returncode} after "
-                                 f"{time.monotonic() - began:.0f} s:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-        except Exception as error:  # a timeout: every case of it fails with this
+                self._failure = (f"scenario process {self.name!r} exited with {self._proc.returncode} after "
+                                 f"{time.monotonic() - began:.0f} s (limit {self.timeout} s):\n{stdout[-3000:]}\n"
+                                 f"{stderr[-5000:]}")
+        except Exception as error:  # every case of it fails with this
             self._failure = f"scenario process {self.name!r}: {type(error).__name__}: {error}"
         finally:
             self._done.set()
@@ -120,3 +127,10 @@ def start_for(items):
 
     if wanted:
         threading.Thread(target=run_in_turn, name="scenarios", daemon=True).start()
+
+
+def stop_all():
+    """Kills the scenario processes still running (the session ends before their tests ran, e.g. -x)."""
+    for scenario in _DECLARED:
+        if scenario._proc is not None and scenario._proc.poll() is None:
+            scenario._proc.kill()
