@@ -63,6 +63,8 @@ def test_mnist_mlp_trains_checkpoints_and_reloads(tmp_path):
         assert "no TensorBoard logs (pip install tensorboard)" in out
 
 
+@pytest.mark.slow  # trains; test_bad_example_flags and test_global_batch_not_divisible_by_replicas_is_a_clear_error
+# check the batch split without training
 def test_mnist_mlp_two_replicas_split_the_global_batch(tmp_path):
     argv = ["--batch_size", "64", "--steps_per_epoch", "5", "--epochs", "1", "--dataset", "digits",
             "--model_dir", str(tmp_path)]
@@ -115,6 +117,7 @@ def test_reproduce_script_keeps_whole_logs_and_rejects_unknown_stages(tmp_path):
 CUSTOM_LOOP = str(ROOT / "examples" / "custom_loop.py")
 
 
+@pytest.mark.slow  # two trainings; tests/training/test_per_replica_steps.py covers the jit step through strategy.run
 def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp_path):
     """examples/custom_loop.py: a jit step through strategy.run on 2 CPU replicas (split mode), then a rerun with
     more epochs resumes from the tf.train.Checkpoint and trains only the missing epoch."""
