@@ -184,7 +184,8 @@ FAKED_MACHINES_SCRIPT = textwrap.dedent("""
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import pynvml, fake_nvml
     from tensorflow.python.framework import kernels
-    from tf_nvlink.machine import nvml, tf_devices
+    from tf_nvlink import internals
+    from tf_nvlink.machine import nvml
     from tf_nvlink.distribute import single_host
 
     records = []
@@ -196,7 +197,7 @@ FAKED_MACHINES_SCRIPT = textwrap.dedent("""
 
     real_list_physical, real_list_logical = tf.config.list_physical_devices, tf.config.list_logical_devices
     real_kernels, real_cuda = kernels.get_registered_kernels_for_op, tf.test.is_built_with_cuda
-    real_descs = tf_devices.tf_gpu_descs
+    real_descs = internals.tf_gpu_descs
     out = {{}}
     for name, case in json.loads({cases!r}).items():
         records.clear()
@@ -213,7 +214,7 @@ FAKED_MACHINES_SCRIPT = textwrap.dedent("""
             if kind == "GPU" else real_list_physical(kind))
         tf.config.list_logical_devices = lambda kind=None: (
             real_list_logical("CPU")[:tf_gpus] if kind == "GPU" else real_list_logical(kind))
-        tf_devices.tf_gpu_descs = (lambda: [tuple(d) for d in case["descs"]]) if "descs" in case else real_descs
+        internals.tf_gpu_descs = (lambda: [tuple(d) for d in case["descs"]]) if "descs" in case else real_descs
         tf.test.is_built_with_cuda = (lambda: False) if case.get("no_cuda_build") else real_cuda
         kernels.get_registered_kernels_for_op = (
             (lambda op: type("K", (), {{"kernel": []}})()) if case.get("no_nccl") else real_kernels)
