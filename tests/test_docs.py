@@ -59,15 +59,32 @@ def test_readme_is_short():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; at most {README_MAX_LINES}"
 
 
+def function_def(path: Path, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text())
+    return next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def facade_supplied_arguments() -> set[str]:
+    """Keywords `tf_nvlink.strategy()` passes to `single_host.strategy` itself (not the caller's)."""
+    facade = function_def(ROOT / "tf_nvlink" / "__init__.py", "strategy")
+    own = {a.arg for a in facade.args.args + facade.args.kwonlyargs}
+    calls = [node for node in ast.walk(facade) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "strategy"]
+    assert calls, "tf_nvlink.strategy() no longer calls single_host.strategy; update this test"
+    return {kw.arg for call in calls for kw in call.keywords
+            if kw.arg and not (isinstance(kw.value, ast.Name) and kw.value.id in own)}
+
+
 def strategy_signature() -> dict[str, str]:
-    """Parameter -> repr of its default, from `def strategy` in tf_nvlink/distribute/single_host.py."""
-    tree = ast.parse((ROOT / "tf_nvlink" / "distribute" / "single_host.py").read_text())
-    func = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "strategy")
+    """Argument -> repr of its default, for what a caller of `tf_nvlink.strategy()` may pass: the parameters of
+    `single_host.strategy`, less those the facade supplies."""
+    func = function_def(ROOT / "tf_nvlink" / "distribute" / "single_host.py", "strategy")
     args = func.args
     positional = args.posonlyargs + args.args
     defaults = dict(zip([a.arg for a in positional[len(positional) - len(args.defaults):]], args.defaults))
     defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
-    return {name: repr(ast.literal_eval(node)) for name, node in defaults.items()}
+    supplied = facade_supplied_arguments()
+    return {name: repr(ast.literal_eval(node)) for name, node in defaults.items() if name not in supplied}
 
 
 def readme_strategy_table() -> dict[str, str]:
