@@ -12,14 +12,20 @@ Each line is the median of --repeats calls, with the spread (max - min) / median
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 import threading
 import time
 
+from absl import app
+from absl import flags
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tf_nvlink.tools import bench_stats  # noqa: E402 - after the source checkout's path
+
+_REPEATS = flags.DEFINE_integer("repeats", 50, "calls per round; each round's figure is their median", lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds", lower_bound=1)
+_LOAD = flags.DEFINE_bool("load", False, "also measure with every GPU busy (PyTorch matmuls)")
 
 
 def timed(fn, repeats):
@@ -28,7 +34,7 @@ def timed(fn, repeats):
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return bench_stats.summarize(times).median
 
 
 def busy_gpus(stop):
@@ -46,13 +52,8 @@ def busy_gpus(stop):
         torch.cuda.synchronize()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--load", action="store_true", help="also measure with every GPU busy (PyTorch matmuls)")
-    args = parser.parse_args()
-
+def main(argv):
+    del argv
     import pynvml
 
     from tf_nvlink.machine.nvml import TRAFFIC_FIELDS, NvLinkCounterReader
@@ -76,9 +77,9 @@ def main():
             handle, links[0]),
         f"GPU {gpu}: nvmlDeviceGetUtilizationRates": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle),
     }
-    loads = [False, True] if args.load else [False]
+    loads = [False, True] if _LOAD.value else [False]
     results = {}
-    for r in range(args.rounds):
+    for r in range(_ROUNDS.value):
         for load in loads:
             stop = threading.Event()
             worker = None
@@ -87,18 +88,18 @@ def main():
                 worker.start()
                 time.sleep(2.0)
             for name, fn in cases.items():
-                results.setdefault((name, load), []).append(timed(fn, args.repeats))
+                results.setdefault((name, load), []).append(timed(fn, _REPEATS.value))
             stop.set()
             if worker:
                 worker.join()
     print(f"\n{'call':<60}{'GPUs':>6}{'median ms':>11}{'spread':>8}")
     for (name, load), values in results.items():
-        med = statistics.median(values)
-        spread = (max(values) - min(values)) / med if med else 0.0
-        print(f"{name:<60}{'busy' if load else 'idle':>6}{1000 * med:>11.3f}{100 * spread:>7.0f}%")
-    print(f"# median of {args.repeats} calls per round, {args.rounds} interleaved rounds; spread = (max-min)/median")
+        stats = bench_stats.summarize(values)
+        print(f"{name:<60}{'busy' if load else 'idle':>6}{1000 * stats.median:>11.3f}{100 * stats.spread:>7.0f}%")
+    print(f"# median of {_REPEATS.value} calls per round, {_ROUNDS.value} interleaved rounds; "
+          f"spread = (max-min)/median")
     reader.close()
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -11,15 +11,18 @@ One process per GPU (torch.multiprocessing), float32 sum, `iters` all-reduces ti
 Leave NVLink multicast (NCCL_NVLS_ENABLE) as the environment sets it.
 """
 
-import argparse
 import json
 import os
 import sys
 
+from absl import app
+from absl import flags
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tf_nvlink.util import atomic_files  # noqa: E402
 from tf_nvlink.util import json_workers
-from tf_nvlink.tools.allreduce_bench import format_size, parse_sizes  # noqa: E402 - the same size syntax as tf-nvlink bench
+# the same size syntax as tf-nvlink bench
+from tf_nvlink.tools.allreduce_bench import format_size, parse_sizes  # noqa: E402
 
 
 def _rank_main(rank, world, sizes, iters, warmup, port, queue):
@@ -53,13 +56,14 @@ def _rank_main(rank, world, sizes, iters, warmup, port, queue):
     dist.destroy_process_group()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1M,16M,256M,1G")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json", default="")
-    args = parser.parse_args()
+_SIZES = flags.DEFINE_string("sizes", "1M,16M,256M,1G", "all-reduce sizes, the syntax of tf-nvlink bench --sizes")
+_ITERS = flags.DEFINE_integer("iters", 20, "timed all-reduces per size", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 5, "untimed all-reduces per size first", lower_bound=0)
+_JSON = flags.DEFINE_string("json", "", "also write the rows to this JSON file")
+
+
+def main(argv):
+    del argv
     import torch
     import torch.multiprocessing as mp
 
@@ -69,13 +73,14 @@ def main():
     port = json_workers.free_ports(1, host="127.0.0.1")[0]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    mp.spawn(_rank_main, args=(world, parse_sizes(args.sizes), args.iters, args.warmup, port, queue), nprocs=world)
+    mp.spawn(_rank_main, args=(world, parse_sizes(_SIZES.value), _ITERS.value, _WARMUP.value, port, queue),
+             nprocs=world)
     rows = queue.get()
     factor = 2 * (world - 1) / world
     nccl = torch.cuda.nccl.version()
     nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     print(f"# raw NCCL all-reduce through PyTorch {torch.__version__} (NCCL {nccl}), "
-          f"{world} GPUs, float32 sum, {args.iters} timed after {args.warmup} warm-up")
+          f"{world} GPUs, float32 sum, {_ITERS.value} timed after {_WARMUP.value} warm-up")
     print(f"#{'size':>11} {'time(us)':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}")
     for row in rows:
         row["algbw"] = row["size_bytes"] / row["time_us"] / 1e3
@@ -83,10 +88,10 @@ def main():
         row["n_gpus"] = world
         print(f"{format_size(row['size_bytes']):>12} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
               f"{row['busbw']:>8.2f} {row['wrong']:>7}")
-    if args.json:
-        atomic_files.write_atomic(args.json, json.dumps(rows, indent=1), mode=None)
+    if _JSON.value:
+        atomic_files.write_atomic(_JSON.value, json.dumps(rows, indent=1), mode=None)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
-#                                                      transformer p2poff loops monitor onegpu onegpu8 (each about 10 minutes
-#                                                      or less on 2x H200; run them one per command)
+#                                                      transformer p2poff cudagraphs loops profile monitor onegpu
+#                                                      onegpu8 (each about 10 minutes or less on 2x H200; one per
+#                                                      command)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
@@ -38,34 +39,34 @@ for stage in $stages; do
                 --candidates 1gpu,auto,auto@nop2p,stock --json "$out/resnet50.json" ;;
     workers) run workers "$py" -m tf_nvlink.tools.training_bench --model mlp --rounds 3 --steps 50 \
                --candidates auto,workers,workers@nop2p --json "$out/workers.json" ;;
-    scaling) run scaling "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
-               --variants host,onedevice,async,device --json "$out/scaling.json" ;;
-    spe8) run spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --long_steps 256 --warmup 16 \
-            --steps_per_execution 8 --variants host,onedevice,async --json "$out/spe8.json" ;;
+    scaling) run scaling "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
+               --long_steps 240 --warmup_steps 10 --candidates 1gpu,onedevice,auto,auto@ondevice,auto@nocudagraphs \
+               --json "$out/scaling.json" ;;
+    spe8) run spe8 "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 64 --long_steps 256 \
+            --warmup_steps 16 --steps_per_execution 8 --candidates 1gpu,onedevice,auto --json "$out/spe8.json" ;;
     onegpu)  # one GPU: plain Keras against a one-replica tf_nvlink strategy and TensorFlow's OneDeviceStrategy
-      run onegpu_transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 \
-        --long_steps 120 --warmup 5 --variants host,onedevice --json "$out/onegpu_transformer.json"
-      run onegpu_resnet50 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --long_steps 240 --warmup 10 \
-        --variants host,onedevice --json "$out/onegpu_resnet50.json" ;;
-    onegpu8) run onegpu_spe8 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 64 --long_steps 256 --warmup 16 \
-               --steps_per_execution 8 --variants host,onedevice --json "$out/onegpu_spe8.json" ;;
-    transformer)  # NCCL reads NCCL_P2P_DISABLE once per process: one probe per setting
-      run transformer "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 --steps 30 --warmup 5 \
-        --variants host --json "$out/transformer.json"
-      NCCL_P2P_DISABLE=1 run transformer_nop2p "$py" benchmarks/scaling_probe.py --model transformer --rounds 3 \
-        --steps 30 --warmup 5 --variants host --json "$out/transformer_nop2p.json"
-      NCCL_P2P_DISABLE=1 run transformer_nop2p_bf16 "$py" benchmarks/scaling_probe.py --model transformer \
-        --rounds 3 --steps 30 --warmup 5 --variants host --allreduce_dtype bfloat16 \
-        --json "$out/transformer_nop2p_bf16.json" ;;
-    p2poff) NCCL_P2P_DISABLE=1 run p2poff_bf16 "$py" benchmarks/scaling_probe.py --rounds 3 --steps 60 --warmup 10 \
-              --variants host --allreduce_dtype bfloat16 --json "$out/p2poff_bf16.json" ;;
-    loops) run loops "$py" benchmarks/custom_loop_vs_fit.py --rounds 3 --steps 60 --warmup 10 --json "$out/loops.json" ;;
-    monitor)
-      run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load
-      run monitor "$py" benchmarks/scaling_probe.py --rounds 3 --steps 100 --warmup 10 \
-        --variants host,monitor,monitor1 --json "$out/monitor.json" ;;
+      run onegpu_transformer "$py" -m tf_nvlink.tools.training_bench --model transformer --rounds 3 --steps 30 \
+        --long_steps 120 --warmup_steps 5 --candidates 1gpu,onedevice,auto --json "$out/onegpu_transformer.json"
+      run onegpu_resnet50 "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
+        --long_steps 240 --warmup_steps 10 --candidates 1gpu,onedevice,auto --json "$out/onegpu_resnet50.json" ;;
+    onegpu8) run onegpu_spe8 "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 64 \
+               --long_steps 256 --warmup_steps 16 --steps_per_execution 8 --candidates 1gpu,onedevice,auto \
+               --json "$out/onegpu_spe8.json" ;;
+    transformer)  # each candidate runs in its own process, so NCCL reads its own NCCL_P2P_DISABLE
+      run transformer "$py" -m tf_nvlink.tools.training_bench --model transformer --rounds 3 --steps 30 \
+        --warmup_steps 5 --candidates 1gpu,auto,auto@nop2p,auto@bf16grad@nop2p --json "$out/transformer.json" ;;
+    p2poff) run p2poff "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
+              --warmup_steps 10 --candidates auto,auto@nop2p,auto@bf16grad@nop2p --json "$out/p2poff.json" ;;
+    cudagraphs) run cudagraphs "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
+                  --long_steps 240 --warmup_steps 10 --candidates 1gpu,1gpu@nocudagraphs,auto,auto@nocudagraphs \
+                  --json "$out/cudagraphs.json" ;;
+    loops) run loops "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 --warmup_steps 10 \
+             --candidates auto,auto@customloop --json "$out/loops.json" ;;
+    profile) run profile "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 1 --steps 30 \
+               --candidates 1gpu,onedevice,auto --profile "$out/profile" --json "$out/profile.json" ;;
+    monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
-            "p2poff loops monitor onegpu onegpu8" >&2; exit 2 ;;
+            "p2poff cudagraphs loops profile monitor onegpu onegpu8" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -19,7 +19,6 @@ validate, with the earlier entry intact.
 Prints one summary block (and --json FILE writes it) with the figures docs/results.md records.
 """
 
-import argparse
 import json
 import os
 import random
@@ -28,6 +27,16 @@ import signal
 import subprocess
 import sys
 import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_integer("kills", 50, "SIGKILLs of mnist_mlp.py", lower_bound=0)
+flags.DEFINE_integer("epochs", 4, "epochs per training run", lower_bound=1)
+flags.DEFINE_integer("tune_kills", 20, "SIGKILLs of tf-nvlink tune", lower_bound=0)
+flags.DEFINE_integer("seed", 0, "seed of the kill moments")
+flags.DEFINE_string("out", "/tmp/tf_nvlink_soak", "scratch folder (model dirs, logs)")
+flags.DEFINE_string("json", None, "also write the summary here")
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,15 +233,9 @@ def soak_tune(args, rng, out):
             "temporary_files_left": len(leftovers), "problems": problems}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=50, help="SIGKILLs of mnist_mlp.py (default %(default)s)")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs per training run (default %(default)s)")
-    parser.add_argument("--tune_kills", type=int, default=20, help="SIGKILLs of tf-nvlink tune (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
-    parser.add_argument("--out", default="/tmp/tf_nvlink_soak", help="scratch folder (model dirs, logs)")
-    parser.add_argument("--json", default=None, help="also write the summary here")
-    args = parser.parse_args()
+def main(argv):
+    del argv
+    args = flags.FLAGS  # soak_training and soak_tune read args.epochs, args.kills, args.tune_kills
     rng = random.Random(args.seed)
     os.makedirs(args.out, exist_ok=True)
     start = time.monotonic()
@@ -253,4 +256,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

@@ -3,6 +3,7 @@ r"""Synthetic training throughput: tf_nvlink's plan against every cross-device-o
     python examples/benchmark.py                                 # the seed MLP, every candidate
     python examples/benchmark.py --model resnet50 --candidates 1gpu,stock,auto
     python examples/benchmark.py --model resnet50 --nvlink_off   # adds each candidate with NCCL_P2P_DISABLE=1
+    python examples/benchmark.py --model resnet50 --step_doctor  # + the step doctor's breakdown and advice
 
 Each candidate trains in its own process (TensorFlow tolerates one MirroredStrategy per process) on synthetic
 data, side by side in one run, and the table gives examples/s, the speed-up over one GPU, the scaling efficiency
@@ -11,6 +12,7 @@ data, side by side in one run, and the table gives examples/s, the speed-up over
 
 import json
 import os
+import subprocess
 import sys
 
 from absl import app
@@ -21,17 +23,19 @@ try:
 except ImportError:  # run from a source checkout without `pip install .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tf_nvlink.tools.training_bench import cli as training_bench
+from tf_nvlink.tools.training_bench.candidates import BASES, Candidate, parse_list
 from tf_nvlink.util import atomic_files
 
 _MODEL = flags.DEFINE_enum("model", "mlp", training_bench.MODELS,
                            "mlp: the seed 784-256-128-10 MLP (overhead-bound); resnet50: ResNet-50 on 224x224 "
                            "synthetic images with mixed_bfloat16 (compute-heavy); convnet: a tiny CPU-friendly net.")
 _CANDIDATES = flags.DEFINE_string(
-    "candidates", ",".join(c for c in training_bench.CANDIDATES if c != "workers"),
+    "candidates", ",".join(c for c in BASES if c != "workers"),
     "Comma list: 1gpu (no strategy), stock (tf.distribute.MirroredStrategy as TensorFlow gives it), auto "
-    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical; each may end in @nop2p or @ondevice, and "
-    "tf_nvlink's in @split, @fused, @nolhs, @bf16grad, @buffer1 or @nosync (training_bench.SUFFIXES). "
-    "Also workers (one MultiWorkerMirroredStrategy process per GPU on this host; @nop2p, @ondevice only).")
+    "(tf_nvlink's plan), collective, nccl, reduce_to_one, hierarchical, onedevice (OneDeviceStrategy); each may "
+    "end in @nop2p, @ondevice, @nocudagraphs or @customloop (not workers), and tf_nvlink's in @split, @fused, "
+    "@nolhs, @bf16grad, @buffer1 or @nosync. Also workers (one MultiWorkerMirroredStrategy process per GPU on this "
+    "host; @nop2p, @ondevice, @nocudagraphs only).")
 _BATCH = flags.DEFINE_integer("batch_per_replica", None, "Batch per replica (default: mlp 1024, resnet50 128).",
                               lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per epoch (3 epochs; the first compiles).", lower_bound=1)
@@ -43,16 +47,33 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Run over N logical CPU de
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Run the candidate list this many times, interleaved, and report each "
                                "candidate's median (these machines are noisy: 3 is a good start).", lower_bound=1)
 _JSON = flags.DEFINE_string("json", "", "Write the records to this JSON file.")
+_STEP_DOCTOR = flags.DEFINE_bool(
+    "step_doctor", False, "Also fit the model once under tf_nvlink.strategy() with tf_nvlink.StepDoctor (its own "
+    "process) and print where the step time goes, the verdict and the advice with its predicted gain.")
+_STEP_DOCTOR_DIR = flags.DEFINE_string("step_doctor_dir", "step_doctor", "Where --step_doctor writes "
+                                       "step_doctor.json, step_doctor.png and the trace.")
+
+
+def run_step_doctor(model: str, batch_per_replica: int, cpu_devices: int, output_dir: str) -> int:
+    """`python -m tf_nvlink.tools.doctor` in a child process (one strategy per process); its exit status."""
+    command = [sys.executable, "-m", "tf_nvlink.tools.doctor", "--model", model, "--batch_per_replica",
+               str(batch_per_replica), "--output_dir", output_dir]
+    if cpu_devices:
+        command += ["--cpu_devices", str(cpu_devices)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"\n# step doctor: {' '.join(command[1:])}", flush=True)
+    return subprocess.run(command, env=env).returncode
 
 
 def main(argv):
     del argv
     try:
-        candidates = training_bench.parse_candidates(_CANDIDATES.value)
+        candidates = parse_list(_CANDIDATES.value)
     except ValueError as exc:
         raise app.UsageError(str(exc)) from exc
-    if _NVLINK_OFF.value and "auto@nop2p" not in candidates:
-        candidates.append("auto@nop2p")
+    if _NVLINK_OFF.value and Candidate("auto", nop2p=True) not in candidates:
+        candidates.append(Candidate("auto", nop2p=True))
     print("# " + " ".join(sys.argv), flush=True)
     cpu_devices = _CPU_DEVICES.value
     no_gpu = None if cpu_devices else training_bench.gpu_absence()
@@ -61,7 +82,7 @@ def main(argv):
         candidates, dropped = training_bench.cpu_candidates(candidates)
         print(f"# no GPU here ({no_gpu}): running on {cpu_devices} logical CPU devices, as --cpu_devices "
               f"{cpu_devices} does; CPU figures say nothing about NVLink"
-              + (f"; left out {', '.join(dropped)} (they need GPUs)" if dropped else ""), flush=True)
+              + (f"; left out {', '.join(c.label for c in dropped)} (they need GPUs)" if dropped else ""), flush=True)
         if not candidates:
             raise app.UsageError(f"no candidate of --candidates={_CANDIDATES.value!r} runs without GPUs; try "
                                  f"--candidates 1gpu,stock,auto,collective,reduce_to_one --cpu_devices 2")
@@ -70,7 +91,11 @@ def main(argv):
     print(training_bench.render_table(results))
     if _JSON.value:
         atomic_files.write_atomic(_JSON.value, json.dumps(results, indent=1), mode=None)
-    return 1 if any("error" in r for r in results) else 0
+    doctor_status = 0
+    if _STEP_DOCTOR.value:
+        doctor_status = run_step_doctor(_MODEL.value, _BATCH.value or training_bench.DEFAULT_BATCH[_MODEL.value],
+                                        cpu_devices, _STEP_DOCTOR_DIR.value)
+    return 1 if doctor_status or any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":

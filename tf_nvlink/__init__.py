@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
-__all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "sync_non_trainable", "synced_step",
-           "__version__"]
+__all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "sync_non_trainable",
+           "synced_step", "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -72,9 +72,14 @@ def synced_step(model, step):
 
 
 def __getattr__(name):
-    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.training.nvlink_monitor), imported with Keras on first use."""
+    """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.training.nvlink_monitor) and
+    `tf_nvlink.StepDoctor` (tf_nvlink.tools.doctor.callback), imported with Keras on first use."""
     if name == "NVLinkMonitor":
         from tf_nvlink.training import nvlink_monitor
 
         return nvlink_monitor.NVLinkMonitor
+    if name == "StepDoctor":
+        from tf_nvlink.tools.doctor import callback
+
+        return callback.StepDoctor
     raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")

@@ -374,3 +374,13 @@ def set_initial_epoch(model, epoch: int) -> None:
     `keras.callbacks.BackupAndRestore` sets; tf_nvlink's backup callback restores the same way.
     """
     model._initial_epoch = epoch  # noqa: SLF001
+
+
+
+
+def read_profiler_trace(path: str):
+    """The `XSpace` protobuf of one TensorFlow profiler trace file (`*.xplane.pb`); see `xplane_protobuf_module`."""
+    space = xplane_protobuf_module().XSpace()
+    with open(path, "rb") as trace:
+        space.ParseFromString(trace.read())
+    return space

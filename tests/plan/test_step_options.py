@@ -14,6 +14,7 @@ from tf_nvlink.plan import step_options
 from tf_nvlink.machine import nvml
 from tf_nvlink.plan import policy
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+GRAPHS = "--xla_enable_command_buffers_during_profiling=true"  # every GPU plan
 
 
 def plan_for(machine, gpus="all", xla_allreduce="auto"):
@@ -22,23 +23,23 @@ def plan_for(machine, gpus="all", xla_allreduce="auto"):
 
 
 @pytest.mark.parametrize("machine, gpus, mode, expected", [
-    ("h200_x2", "all", "auto", (LHS,)),        # 2 GPUs, fused: the all-reduce is inside XLA, overlap it
-    ("h100_hgx_x8", "all", "auto", (LHS,)),
-    ("h200_x2", "all", "split", ()),           # all-reduce outside XLA: nothing for XLA's scheduler to overlap
-    ("h200_x2", "0", "auto", ()),              # one GPU: no collective at all
-    ("no_driver", "all", "auto", ()),          # CPU
+    ("h200_x2", "all", "auto", (GRAPHS, LHS)),   # 2 GPUs, fused: the all-reduce is inside XLA, overlap it
+    ("h100_hgx_x8", "all", "auto", (GRAPHS, LHS)),
+    ("h200_x2", "all", "split", (GRAPHS,)),      # all-reduce outside XLA: nothing for XLA's scheduler to overlap
+    ("h200_x2", "0", "auto", (GRAPHS,)),         # one GPU: no collective at all
+    ("no_driver", "all", "auto", ()),            # CPU
 ])
-def test_xla_flags_chosen_for_fused_multi_gpu_xla_only(machine, gpus, mode, expected):
+def test_xla_flags_chosen_for_gpus_and_fused_multi_gpu_xla(machine, gpus, mode, expected):
     plan = step_options.choose_knobs(plan_for(machine, gpus, mode))
     assert plan.xla_flags == expected and plan.xla_flags_kept == ()
-    assert (LHS in plan.summary()) == bool(expected)
+    assert (LHS in plan.summary()) == (LHS in expected)
     assert plan.to_dict()["xla_flags"] == list(expected)
 
 
 def test_users_xla_flags_win_and_are_recorded():
     user = "--xla_dump_to=/tmp/dump --xla_gpu_enable_latency_hiding_scheduler=false"
     plan = step_options.choose_knobs(plan_for("h200_x2"), user_xla_flags=user)
-    assert plan.xla_flags == () and plan.xla_flags_kept == ("--xla_gpu_enable_latency_hiding_scheduler=false",)
+    assert plan.xla_flags == (GRAPHS,) and plan.xla_flags_kept == ("--xla_gpu_enable_latency_hiding_scheduler=false",)
     assert "user's XLA_FLAGS kept: --xla_gpu_enable_latency_hiding_scheduler=false" in plan.summary()
     value, added, kept = step_options.merge_xla_flags("--xla_dump_to=/tmp/dump", (LHS,))
     assert value == "--xla_dump_to=/tmp/dump " + LHS and added == (LHS,) and kept == ()
@@ -80,12 +81,12 @@ def test_decide_chooses_the_knobs_for_the_final_plan():
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
     plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_knobs=("auto", "bfloat16", None))
     assert (plan.xla_allreduce, plan.xla_flags, plan.allreduce_dtype, plan.input_buffer) == \
-        ("fused", (LHS,), "bfloat16", 1)
+        ("fused", (GRAPHS, LHS), "bfloat16", 1)
     user = "--xla_gpu_enable_latency_hiding_scheduler=false"
     plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2, user_xla_flags=user))
-    assert plan.xla_flags == () and plan.xla_flags_kept == (user,) and plan.allreduce_dtype == "float32"
+    assert plan.xla_flags == (GRAPHS,) and plan.xla_flags_kept == (user,) and plan.allreduce_dtype == "float32"
     plan, warnings = policy.decide(policy.Facts(topo, tf_gpu_count=2, nccl_available=False))
-    assert plan.xla_allreduce == "split" and plan.xla_flags == () and "no NCCL" in warnings[0]
+    assert plan.xla_allreduce == "split" and plan.xla_flags == (GRAPHS,) and "no NCCL" in warnings[0]
     plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=0, no_gpu_cause="x"), asked_knobs=(
         [LHS], "float32", 3))
     assert plan.gpus == () and plan.xla_flags == (LHS,) and plan.input_buffer == 3  # explicit: as given
@@ -97,7 +98,8 @@ def test_apply_xla_flags_merges_into_the_environment():
 
     plan = step_options.choose_knobs(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
     environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}
-    assert single_host.apply_xla_flags(plan, environ=environ) == "--xla_dump_to=/tmp/d " + LHS == environ["XLA_FLAGS"]
+    assert single_host.apply_xla_flags(plan, environ=environ) == f"--xla_dump_to=/tmp/d {GRAPHS} {LHS}" == \
+        environ["XLA_FLAGS"]
     # again from the user's value (as the strategy does after its provisional setting): nothing added twice
     assert single_host.apply_xla_flags(plan, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"]
     # a final plan without flags takes the provisional ones back: the user's value, or no variable at all
@@ -124,7 +126,7 @@ def test_xla_flags_set_before_tensorflow_is_asked_and_taken_back_on_failure(tf, 
     monkeypatch.setattr(single_host, "gather_facts", failing_gather_facts)
     with pytest.raises(RuntimeError, match="TensorFlow failed"):
         single_host._build("all", "auto", None, None, topo, "auto")
-    assert seen == [("--xla_dump_to=/tmp/d " + LHS, "--xla_dump_to=/tmp/d")]
+    assert seen == [(f"--xla_dump_to=/tmp/d {GRAPHS} {LHS}", "--xla_dump_to=/tmp/d")]
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
 
 
@@ -260,11 +262,25 @@ def test_report_shows_the_knobs_and_the_users_xla_flags():
 
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
     data = report.collect(topology=topo, with_tf=False, environ={})
-    assert data["plan"]["xla_flags"] == [LHS] and data["plan"]["input_buffer"] == 1
+    assert data["plan"]["xla_flags"] == [GRAPHS, LHS] and data["plan"]["input_buffer"] == 1
     knobs = next(line for line in report.render_text(data).splitlines() if line.startswith("  knobs"))
-    assert knobs == (f"  knobs      XLA_FLAGS += {LHS}; gradients all-reduced in float32; input prefetched 1 "
+    assert knobs == (f"  knobs      XLA_FLAGS += {GRAPHS} {LHS}; gradients all-reduced in float32; input prefetched 1 "
                      f"batch deep per GPU")
     user = "--xla_gpu_enable_latency_hiding_scheduler=false"
     data = report.collect(topology=topo, with_tf=False, environ={"XLA_FLAGS": user})
-    assert data["plan"]["xla_flags"] == [] and data["plan"]["xla_flags_kept"] == [user]
+    assert data["plan"]["xla_flags"] == [GRAPHS] and data["plan"]["xla_flags_kept"] == [user]
     assert f"user's XLA_FLAGS kept: {user}" in data["plan"]["summary"]
+
+
+def test_command_buffer_flags_are_known_and_checked():
+    """XLA's command-buffer (CUDA graph) flags of TensorFlow 2.21's XLA: accepted as given, the empty value of
+    --xla_gpu_enable_command_buffer (graphs off) included; an unknown thunk kind is refused naming the valid ones."""
+    flags = ["--xla_gpu_enable_command_buffer=", "--xla_gpu_graph_min_graph_size=1",
+             "--xla_enable_command_buffers_during_profiling=true"]
+    assert step_options.choose_knobs(plan_for("h200_x2", "0"), xla_flags=flags).xla_flags == tuple(flags)
+    kinds = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN,WHILE"
+    assert step_options.validate_xla_flags([kinds]) == (kinds,)
+    with pytest.raises(ValueError, match=r"comma list of \['FUSION'.*Received: \['CONV'\]"):
+        step_options.validate_xla_flags(["--xla_gpu_enable_command_buffer=FUSION,CONV"])
+    with pytest.raises(ValueError, match="xla_flags entries"):
+        step_options.validate_xla_flags(["--xla_gpu_graph_min_graph_size="])  # only the enable flag may be empty

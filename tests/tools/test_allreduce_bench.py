@@ -446,8 +446,8 @@ def test_gpu_exact_sum_check_accepts_the_recorded_h200_run():
     """The GPU test's expectations hold for a real run (benchmarks/results, 2x H200): label names, sizes, sums."""
     from test_gpu import check_allreduce_records
 
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "results",
-                        "2026-11-30b_h200x2_allreduce.json")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "benchmarks", "results", "2026-11-30b_h200x2_allreduce.json")
     with open(path) as f:
         records = json.load(f)
     check_allreduce_records(records, [2**20, 2**24, 2**28, 2**30])

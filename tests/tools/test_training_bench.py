@@ -1,36 +1,73 @@
-"""The training benchmark (tf_nvlink/training_bench.py, its worker tf_nvlink/bench/training_worker.py, its models in
-tf_nvlink/models.py, examples/benchmark.py) on logical CPU devices."""
+"""The training benchmark (tf_nvlink/tools/training_bench: its candidates, runner and table, its worker, its models;
+examples/benchmark.py) on logical CPU devices."""
 
 import pytest
 
 from conftest import run_python
-from tf_nvlink.tools.training_bench import models
-
-
+from tf_nvlink.tools import bench_stats
 from tf_nvlink.tools.training_bench import cli as training_bench
+from tf_nvlink.tools.training_bench import models, worker
+from tf_nvlink.tools.training_bench.candidates import Candidate, parse_list
+
+
 @pytest.mark.parametrize("text, expected", [
     ("1gpu,auto", ["1gpu", "auto"]),
     ("nccl@nop2p, auto@split", ["nccl@nop2p", "auto@split"]),
-    ("auto@nop2p@fused", ["auto@nop2p@fused"]),
+    ("auto@nop2p@fused", ["auto@fused@nop2p"]),  # modifiers in their fixed order: pairs match however typed
     ("workers,workers@nop2p", ["workers", "workers@nop2p"]),
     ("auto@nolhs,auto@bf16grad@nop2p,auto@buffer1", ["auto@nolhs", "auto@bf16grad@nop2p", "auto@buffer1"]),
     ("1gpu@ondevice,stock@ondevice,workers@ondevice", ["1gpu@ondevice", "stock@ondevice", "workers@ondevice"]),
+    ("onedevice,auto@nocudagraphs,1gpu@nocudagraphs", ["onedevice", "auto@nocudagraphs", "1gpu@nocudagraphs"]),
 ])
 def test_parse_candidates(text, expected):
-    assert training_bench.parse_candidates(text) == expected
+    parsed = parse_list(text)
+    assert [c.label for c in parsed] == expected
+    assert [Candidate.parse(c.label) for c in parsed] == parsed  # labels round-trip
 
 
-@pytest.mark.parametrize("text", ["", "gpu", "auto@fast", "auto@split@fused", "auto@nop2p@nop2p", "auto@bf16"])
-def test_parse_candidates_rejects_unknown_names_listing_valid_ones(text):
-    with pytest.raises(ValueError, match="reduce_to_one"):
-        training_bench.parse_candidates(text)
+def test_candidate_fields_and_pairs():
+    candidate = Candidate.parse("auto@nop2p@bf16grad@split")
+    assert (candidate.base, candidate.xla_allreduce, candidate.bf16grad, candidate.nop2p, candidate.nolhs) == (
+        "auto", "split", True, True, False)
+    assert candidate.without("nop2p") == Candidate("auto", xla_allreduce="split", bf16grad=True)
+    assert candidate.without("split").label == "auto@bf16grad@nop2p" and candidate.without("nosync") is candidate
+    assert candidate.is_tf_nvlink_strategy and not candidate.one_device and candidate.needs_gpu
+    assert Candidate.parse("onedevice").one_device and not Candidate.parse("collective@split").needs_gpu
+
+
+@pytest.mark.parametrize("text, bad", [("gpu", "no base 'gpu'"), ("auto@fast", "no modifier '@fast'"),
+                                       ("auto@split@fused", "'@split' and '@fused'"),
+                                       ("auto@nop2p@nop2p", "'@nop2p' given twice"), ("auto@bf16", "'@bf16'")])
+def test_parse_candidates_rejects_unknown_names_naming_the_bad_token_and_valid_ones(text, bad):
+    with pytest.raises(ValueError, match=bad) as error:
+        parse_list(text)
+    assert "reduce_to_one" in str(error.value) and "'@nocudagraphs'" in str(error.value)
+    with pytest.raises(ValueError, match="comma list"):
+        parse_list(" , ")
 
 
 @pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split", "1gpu@bf16grad", "stock@nolhs",
-                                  "workers@buffer1"])
+                                  "workers@buffer1", "onedevice@nosync"])
 def test_strategy_knobs_only_for_tf_nvlink_single_process_strategies(text):
-    with pytest.raises(ValueError, match="only '@nop2p' and '@ondevice' apply"):
-        training_bench.parse_candidates(text)
+    with pytest.raises(ValueError, match="only '@nocudagraphs', '@ondevice', '@nop2p', '@customloop' apply"):
+        parse_list(text)
+
+
+def test_worker_environment_of_each_modifier():
+    assert Candidate.parse("auto").worker_env({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}) == {}
+    assert Candidate.parse("auto@nosync@nop2p").worker_env({}) == {"NCCL_P2P_DISABLE": "1",
+                                                                   "TF_NVLINK_SYNC_NON_TRAINABLE": "0"}
+    # the user's XLA flags stay; the command-buffer flag comes last, so it wins over an earlier setting
+    assert Candidate.parse("1gpu@nocudagraphs").worker_env({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}) == {
+        "XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="}
+
+
+def test_steady_state_splits_the_fixed_cost_of_a_fit_call():
+    split = worker.steady_state(fit_s=1.5, long_fit_s=4.5, steps=10, long_steps=40)
+    assert split == {"steady_step_s": pytest.approx(0.1), "fixed_s_per_fit": pytest.approx(0.5)}
+    assert worker.steady_state(1.5, None, 10, 0) == {}
+    with pytest.raises(ValueError, match="long_steps should be 0 .* more than steps=10"):
+        training_bench.run_candidates("convnet", ["1gpu"], steps=10, long_steps=10)
 
 
 def test_workers_candidate_needs_two_gpus_without_cpu_workers(monkeypatch):
@@ -67,15 +104,15 @@ def test_table_shows_measured_nvlink_bytes_beside_the_expected_ones():
          "nvlink_bytes_per_step": 98.0 * 2**20, "nvlink_expected_bytes_per_step": 97.6 * 2**20},
         {"candidate": "auto@nop2p", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
          "nvlink_bytes_per_step": 0.0, "nvlink_expected_bytes_per_step": 97.6 * 2**20},
-        {"candidate": "auto@pcie", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
+        {"candidate": "collective", "replicas": 2, "jit_compile": True, "step_ms": 40.0, "examples_per_s": 6400.0,
          "nvlink_bytes_per_step": None, "nvlink_unavailable": "GPU 0: no NVLink"},
     ]
     lines = training_bench.render_table(rows).splitlines()
     assert lines[0].split()[-1] == "NVLink/expected" and lines[1].split()[-1] == "(MiB/step/GPU)"
     cells = {line.split()[0]: line.split()[-1] for line in lines[2:6]}
-    assert cells == {"1gpu": "n/a", "auto": "98.0/97.6", "auto@nop2p": "0.0/97.6", "auto@pcie": "n/a"}
+    assert cells == {"1gpu": "n/a", "auto": "98.0/97.6", "auto@nop2p": "0.0/97.6", "collective": "n/a"}
     footer = next(line for line in lines if line.startswith("# NVLink/expected"))
-    assert footer.endswith("; n/a: auto@pcie: GPU 0: no NVLink")  # one replica needs no reason
+    assert footer.endswith("; n/a: collective: GPU 0: no NVLink")  # one replica needs no reason
 
 
 def test_table_ratios_scaling_and_nvlink_speedup():
@@ -100,7 +137,6 @@ def test_table_gives_the_cost_of_the_batch_norm_statistics_sync():
             for name, eps in (("auto@fused", 990.0), ("auto@fused@nosync", 1000.0))]
     assert "BatchNorm-statistics sync costs auto@fused 1.0% (990 vs 1000 examples/s without it)" in (
         training_bench.render_table(rows))
-    assert training_bench.parse_candidates("auto@fused@nosync") == ["auto@fused@nosync"]
 
 
 def test_table_says_ops_do_not_matter_under_fused_xla():
@@ -142,16 +178,52 @@ def test_rounds_report_the_median_round_and_the_spread():
     assert training_bench.combine_rounds(rounds[:1]) == rounds[0]
 
 
-def test_two_interleaved_rounds_on_cpu(capsys):
+def test_two_interleaved_rounds_on_cpu_with_the_steady_state_split(capsys):
     records = training_bench.run_candidates("convnet", ["1gpu", "auto"], steps=2, jit=False, cpu_devices=2,
-                                            rounds=2, timeout=240, warmup_steps=1)
+                                            rounds=2, timeout=240, warmup_steps=1, long_steps=12)
     assert [len(r["rounds_examples_per_s"]) for r in records] == [2, 2]
     order = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if "round" in line]
-    assert order == ["1gpu (round 1/2)", "auto (round 1/2)", "1gpu (round 2/2)", "auto (round 2/2)"]
+    assert order == ["1gpu (round 1/2)", "auto (round 1/2)", "auto (round 2/2)", "1gpu (round 2/2)"]
+    assert all(r["long_steps"] == 12 and "fixed_s_per_fit" in r and "steady_step_s" in r for r in records)
     table = training_bench.render_table(records)
-    assert "spread" in table and "2 rounds, candidates interleaved" in table
+    assert "spread" in table and "2 rounds, candidates interleaved (even rounds in reverse order)" in table
+    if all("steady_examples_per_s" in r for r in records):  # a noisy machine can make the difference negative
+        assert "steady state (12-step fit minus 2-step fit, same process)" in table
     with pytest.raises(ValueError, match="rounds should be a positive integer"):
         training_bench.run_candidates("convnet", ["1gpu"], rounds=0)
+
+
+def test_median_round_spread_and_the_overlap_warning():
+    stats = bench_stats.summarize([700.0, None, 600.0, 800.0])
+    assert (stats.median, stats.low, stats.high, stats.rounds) == (700.0, 600.0, 800.0, 3)
+    assert stats.spread == pytest.approx(200 / 700, abs=1e-4) and stats.describe() == "700 (600..800, spread 28.6%)"
+    assert bench_stats.summarize([2.0, 1.0]).median == 1.0  # the lower middle: a round that ran
+    with pytest.raises(ValueError, match="at least one measured round"):
+        bench_stats.summarize([None])
+    apart = {"a": bench_stats.summarize([100.0, 101.0]), "b": bench_stats.summarize([110.0, 111.0])}
+    assert bench_stats.overlap_warning(apart) is None
+    close = dict(apart, c=bench_stats.summarize([100.5, 103.0]))
+    assert bench_stats.overlap_warning(close).startswith(
+        "rounds disagree more than the medians differ: c (100..103) and a (100..101) overlap")
+
+
+def test_table_warns_when_rounds_overlap_and_scales_against_the_best_one_device_setup():
+    def row(name, rounds, replicas=1):
+        return {"candidate": name, "replicas": replicas, "jit_compile": True, "step_ms": 1.0,
+                "examples_per_s": sorted(rounds)[1], "rounds_examples_per_s": rounds, "spread": 0.01,
+                "steady_examples_per_s": 2 * sorted(rounds)[1], "steady_step_s": 0.001, "fixed_s_per_fit": 0.2,
+                "steps": 10, "long_steps": 40}
+
+    rows = [row("1gpu", [1000.0, 1010.0, 1020.0]), row("onedevice", [1015.0, 1030.0, 1040.0]),
+            row("auto", [1800.0, 1900.0, 1850.0], replicas=2)]
+    lines = training_bench.render_table(rows).splitlines()
+    assert "# warning: rounds disagree more than the medians differ: onedevice (1015..1040) and 1gpu " \
+           "(1000..1020) overlap; more rounds or steps would settle their order" in lines
+    assert "# scaling against the best one-device setup (onedevice, whole fits): auto 0.90" in lines
+    assert "# scaling against the best one-device setup (onedevice, steady state): auto 0.90" in lines
+    steady = lines[lines.index("steady state (40-step fit minus 10-step fit, same process)") + 2:][:3]
+    assert [line.split()[0] for line in steady] == ["1gpu", "onedevice", "auto"]
+    assert steady[2].split()[-3:] == ["1.83", "0.92", "200"]  # vs 1gpu, scaling, fixed ms per fit
 
 
 def test_host_batches_come_in_the_dtypes_users_feed():
@@ -186,23 +258,42 @@ def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
 
 
 @pytest.mark.parametrize("model, candidates", [
-    ("mlp", ["1gpu", "auto@bf16grad"]),
+    ("mlp", ["1gpu@nocudagraphs", "auto@bf16grad"]),
     ("transformer_tiny", ["auto", "auto@ondevice"]),
 ])
-def test_bench_workers_train_on_two_cpu_replicas(model, candidates):
+def test_bench_workers_train_on_two_cpu_replicas(model, candidates, tmp_path):
+    profile = str(tmp_path / "profile") if model == "mlp" else ""
     records = training_bench.run_candidates(model, candidates, steps=2, warmup_steps=1, cpu_devices=2, rounds=1,
-                                            timeout=240)
+                                            timeout=240, profile_dir=profile, profile_steps=2)
     assert [r.get("error") for r in records] == [None, None]
     assert [r["candidate"] for r in records] == candidates and all(r["examples_per_s"] > 0 for r in records)
     assert records[1]["replicas"] == 2 and records[1]["jit_compile"] and records[1]["xla_allreduce"] == "split"
     if model == "mlp":
         assert records[0]["replicas"] == 1 and records[0]["input"] == "host"
+        assert records[0]["xla_flags_env"].endswith("--xla_gpu_enable_command_buffer=")
+        assert records[1]["xla_flags_env"] is None or "command_buffer" not in records[1]["xla_flags_env"]
         assert records[1]["allreduce_dtype"] == "bfloat16" and "all-reduced in bfloat16" in records[1]["plan"]
+        traced = records[1]["profile"]
+        assert traced["logdir"] == str(tmp_path / "profile" / "auto_bf16grad")
+        assert traced["trace"].endswith(".xplane.pb")
+        assert traced["host_top"], traced  # the busiest host ops of the traced steps
     else:
         assert [r["input"] for r in records] == ["host", "device"]
         assert records[0]["tokens_per_s"] == pytest.approx(16 * records[0]["examples_per_s"])
         assert records[0]["parameters"] == records[1]["parameters"] == 21312
         assert "tokens/s" in training_bench.render_table(records)
+
+
+def test_custom_loop_candidate_trains_two_cpu_replicas_with_an_xla_step():
+    """@customloop: TensorFlow's custom-training-guide loop (strategy.run of a jit_compile step) instead of fit."""
+    record = training_bench.run_candidates("convnet", ["auto@customloop"], steps=2, warmup_steps=1, cpu_devices=2,
+                                           rounds=1, timeout=240)[0]
+    assert "error" not in record, record.get("error")
+    assert record["training_loop"] == "custom" and record["replicas"] == 2 and record["examples_per_s"] > 0
+    assert record["nvlink_unavailable"] == "custom loop: NVLinkMonitor is a model.fit callback"
+    assert "@customloop rows time the custom loop's steps" in training_bench.render_table([record])
+    with pytest.raises(ValueError, match="'@customloop' runs in one process"):
+        Candidate.parse("workers@customloop")
 
 
 def test_table_knob_ratios_and_scaling_per_input():

@@ -94,13 +94,13 @@ import collections, json, sys
 import numpy as np, tensorflow as tf
 mode, steps_per_execution = sys.argv[1], int(sys.argv[2])
 import keras
-from tf_nvlink.training import install
+from tf_nvlink.training import gradient_allreduce
 if mode == "plain":
     strategy = tf.distribute.get_strategy()
 else:
     strategy = fused_strategy_emulated_on_cpu(devices=("/cpu:0",))  # TensorFlow's path on one GPU under XLA
     if mode == "keras_allreduce":
-        install.allreduce.uninstall_gradient_allreduce_hook()
+        gradient_allreduce.uninstall_gradient_allreduce_hook()
 with strategy.scope():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])

@@ -37,3 +37,17 @@ def test_workers_past_the_timeout_are_killed():
 def test_free_ports_are_distinct():
     ports = json_workers.free_ports(4)
     assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
+
+
+def test_package_env_puts_the_folder_above_tf_nvlink_first_on_the_path(tmp_path):
+    """A worker started from any folder imports this tf_nvlink, and none of its subpackages as top-level names."""
+    import subprocess
+
+    import tf_nvlink
+
+    env = json_workers.package_env({"TF_NVLINK_TEST_MARK": "1"})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tf_nvlink.__file__)))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == root and env["TF_NVLINK_TEST_MARK"] == "1"
+    found = subprocess.run([sys.executable, "-c", "import tf_nvlink; print(tf_nvlink.__file__)"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert found.stdout.strip() == os.path.abspath(tf_nvlink.__file__), found.stderr

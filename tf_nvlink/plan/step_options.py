@@ -19,10 +19,27 @@ from typing import Optional, Sequence
 # XLA flags tf_nvlink may set. XLA aborts the process on a flag name it does not know, so only names checked in
 # TensorFlow 2.21's XLA (its .so) are accepted.
 KNOWN_XLA_FLAGS = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_all_reduce_combine_threshold_bytes",
-                   "xla_gpu_enable_pipelined_all_reduce", "xla_gpu_enable_highest_priority_async_stream")
+                   "xla_gpu_enable_pipelined_all_reduce", "xla_gpu_enable_highest_priority_async_stream",
+                   *("xla_gpu_enable_command_buffer", "xla_gpu_graph_min_graph_size",
+                     "xla_gpu_graph_enable_concurrent_region", "xla_gpu_command_buffer_unroll_loops",
+                     "xla_enable_command_buffers_during_profiling"))
+# XLA's command buffers (CUDA graphs) for the compiled step. `--xla_gpu_enable_command_buffer=` takes a comma list
+# of the thunk kinds recorded into graphs (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, COLLECTIVES, CONDITIONAL,
+# WHILE, DYNAMIC_SLICE_FUSION, DYNAMIC_SLICE_COPY_FUSION); empty turns graphs off. `xla_gpu_graph_min_graph_size`
+# is the fewest consecutive recordable thunks worth a graph. While a profiler session is active XLA runs the
+# program thunk by thunk unless `--xla_enable_command_buffers_during_profiling=true`: a profile then shows more host
+# launch time than an unprofiled step has.
+COMMAND_BUFFER_KINDS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "COLLECTIVES", "CONDITIONAL", "WHILE",
+                        "DYNAMIC_SLICE_FUSION", "DYNAMIC_SLICE_COPY_FUSION")
+# The one flag whose empty value means something (command buffers off).
+_EMPTY_VALUE_OK = ("xla_gpu_enable_command_buffer",)
 # Fused multi-GPU XLA: the scheduler overlaps the in-XLA NCCL all-reduce with the backward pass (ResNet-50,
 # 2x H200, host-fed fit: 5518/5453 vs 5181/5182 img/s, +3-6%; training_bench auto 6535 vs 6360).
 FUSED_MULTI_GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+# Every GPU plan: a profile (the step doctor's window, TensorBoard's profiler) then runs the compiled step as it
+# runs unprofiled, with its CUDA graphs, instead of thunk by thunk with a launch per kernel. It changes nothing
+# while no profiler session is active.
+GPU_XLA_FLAGS = ("--xla_enable_command_buffers_during_profiling=true",)
 XLA_FLAGS_CHOICES = ("auto", "none")
 ALLREDUCE_DTYPES = ("float32", "bfloat16")
 # Batches prefetched to each GPU by `experimental_distribute_dataset`: TensorFlow's default, 1. Deeper was slower on
@@ -50,27 +67,35 @@ def validate_xla_flags(xla_flags) -> tuple[str, ...]:
         raise ValueError(f"xla_flags should be one of {list(XLA_FLAGS_CHOICES)} or a list of '--name=value' flags. "
                          f"Received: xla_flags={xla_flags!r}")
     for flag in xla_flags:
-        if not isinstance(flag, str) or not re.fullmatch(r"--\w+=\S+", flag.strip()) \
+        value_pattern = r"\S*" if isinstance(flag, str) and xla_flag_name(flag) in _EMPTY_VALUE_OK else r"\S+"
+        if not isinstance(flag, str) or not re.fullmatch(r"--\w+=" + value_pattern, flag.strip()) \
                 or xla_flag_name(flag) not in KNOWN_XLA_FLAGS:
             raise ValueError(f"xla_flags entries should be '--name=value' with a name in {list(KNOWN_XLA_FLAGS)} "
                              f"(XLA aborts on names it does not know). Received: {flag!r} in xla_flags={xla_flags!r}")
+        if xla_flag_name(flag) == "xla_gpu_enable_command_buffer":
+            kinds = [kind for kind in flag.strip().split("=", 1)[1].split(",") if kind]
+            unknown = [kind for kind in kinds if kind not in COMMAND_BUFFER_KINDS]
+            if unknown:
+                raise ValueError(f"--xla_gpu_enable_command_buffer takes a comma list of {list(COMMAND_BUFFER_KINDS)} "
+                                 f"(empty: command buffers off). Received: {unknown} in {flag!r}")
     return tuple(flag.strip() for flag in xla_flags)
 
 
 def choose_xla_flags(n_gpus: int, xla_allreduce: str, request="auto") -> tuple[str, ...]:
-    """The XLA flags a plan wants: the latency-hiding scheduler when 2+ GPUs all-reduce inside XLA ("fused");
-    nothing for 1 GPU, CPUs or split mode (no collective inside XLA to overlap); the caller's own list as given.
+    """The XLA flags a plan wants: on GPUs, CUDA graphs kept while profiling (GPU_XLA_FLAGS); plus the
+    latency-hiding scheduler when 2+ GPUs all-reduce inside XLA ("fused": a collective inside XLA to overlap);
+    nothing on CPUs or for "none"; the caller's own list as given.
 
     Example:
         >>> choose_xla_flags(2, "fused")
-        ('--xla_gpu_enable_latency_hiding_scheduler=true',)
+        ('--xla_enable_command_buffers_during_profiling=true', '--xla_gpu_enable_latency_hiding_scheduler=true')
     """
     explicit = validate_xla_flags(request)
     if not isinstance(request, str):
         return explicit
-    if request == "none" or n_gpus < 2 or xla_allreduce != "fused":
+    if request == "none" or n_gpus < 1:
         return ()
-    return FUSED_MULTI_GPU_XLA_FLAGS
+    return GPU_XLA_FLAGS + (FUSED_MULTI_GPU_XLA_FLAGS if n_gpus >= 2 and xla_allreduce == "fused" else ())
 
 
 def merge_xla_flags(user_xla_flags: str, planned: Sequence[str]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
@@ -124,7 +149,7 @@ def choose_knobs(plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dty
 
     Example:
         >>> choose_knobs(plan, user_xla_flags="").xla_flags     # a 2-GPU fused plan
-        ('--xla_gpu_enable_latency_hiding_scheduler=true',)
+        ('--xla_enable_command_buffers_during_profiling=true', '--xla_gpu_enable_latency_hiding_scheduler=true')
     """
     validate_allreduce_dtype(allreduce_dtype)  # with one replica nothing is all-reduced: recorded, harmless
     planned = choose_xla_flags(len(plan.gpus), plan.xla_allreduce, xla_flags)

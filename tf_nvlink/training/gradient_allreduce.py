@@ -8,7 +8,7 @@ tf_nvlink strategy, and every other optimizer runs Keras' code unchanged:
 - **One replica: no all-reduce.** The sum over one replica is the gradient itself, but a one-GPU MirroredStrategy
   under XLA still packs every gradient into one buffer, runs a collective all-reduce of group size 1 and unpacks
   it (ConcatV2 + CollectiveReduceV2 in the step). On 1x H200 that was 4 ms of GPU work in every 47 ms step of a
-  368M-parameter Transformer (39.9 against 35.9 ms busy per step; `benchmarks/scaling_probe.py --profile`).
+  368M-parameter Transformer (39.9 against 35.9 ms busy per step; the training bench's `--profile DIR`).
 - **`Plan.allreduce_dtype == "bfloat16"`:** float32 gradients are cast to bfloat16 for the all-reduce and back
   after it (half the bytes on the link; the sum is rounded to bfloat16's 8-bit mantissa).
 

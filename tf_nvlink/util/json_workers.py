@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 def package_env(extra: Optional[dict] = None) -> dict[str, str]:
     """This process's environment with tf_nvlink importable and TensorFlow's C++ chatter down, plus `extra`."""
     env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above tf_nvlink/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(extra or {})

@@ -1,0 +1,380 @@
+"""The step doctor: the breakdown's arithmetic on synthetic traces (XSpace protobufs built here), each verdict and
+its advice, the predictions, the outputs, the Keras callback on CPU, and a GPU trace fixture when present."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_python
+from tf_nvlink.tools import costmodel
+from tf_nvlink.tools.doctor import outputs
+from tf_nvlink.tools.doctor.breakdown import gaps, merge, overlap, replica_breakdown
+from tf_nvlink.tools.doctor.diagnosis import diagnose_space, diagnose_trace
+from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
+from tf_nvlink.tools.doctor.trace import classify, gpu_activity
+from tf_nvlink.tools.doctor.verdict import StepContext, diagnose
+
+FIXTURE = Path(__file__).parent / "fixtures" / "step_doctor_resnet50"  # --trace_out tests/tools/fixtures
+MS = 10**9  # picoseconds per ms
+RESNET_BYTES = 102_236_160
+
+
+def xspace(gpus: dict):
+    """An XSpace with one plane per GPU: {plane name: [(event name, start_ms, duration_ms), ...]}, all on one
+    "Stream #7(Compute)" line, plus a host plane and a non-Stream annotation line that must be ignored."""
+    from tf_nvlink import internals
+
+    pb = internals.xplane_protobuf_module()
+    space = pb.XSpace()
+    space.planes.add(name="/host:CPU").lines.add(name="python")
+    for plane_name, events in gpus.items():
+        plane = space.planes.add(name=plane_name)
+        ids = {}
+        for name, _, _ in events:
+            if name not in ids:
+                ids[name] = len(ids) + 1
+                plane.event_metadata[ids[name]].id = ids[name]
+                plane.event_metadata[ids[name]].name = name
+        line = plane.lines.add(name="Stream #7(Compute)", timestamp_ns=1_000_000)
+        for name, start_ms, duration_ms in events:
+            line.events.add(metadata_id=ids[name], offset_ps=int(start_ms * MS), duration_ps=int(duration_ms * MS))
+        annotation = plane.lines.add(name="XLA Ops", timestamp_ns=1_000_000)
+        annotation.events.add(metadata_id=1, offset_ps=0, duration_ps=int(1000 * MS))
+    return space
+
+
+def host_bound_steps(steps=4):
+    """Each 30 ms step: 1 ms H2D copy, 18 ms of kernels with a 1 ms NCCL all-reduce half under the last kernel,
+    then the host gap to the next call."""
+    events = []
+    for step in range(steps):
+        t = step * 30.0
+        events += [("MemcpyH2D", t, 1.0), ("fusion_conv", t + 1.0, 17.0), ("ncclDevKernel_AllReduce_Sum_f32", t + 17.5, 1.0)]
+    return events
+
+
+CONTEXT_1 = StepContext(replicas=1, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                        per_replica_batch=128)
+
+
+def test_interval_arithmetic():
+    assert merge([(5, 8), (0, 2), (1, 3), (8, 9)]) == [(0, 3), (5, 9)]
+    assert overlap([(0, 10), (20, 30)], [(5, 25)]) == 10
+    assert gaps([(0, 1), (3, 4), (10, 11)]) == [6, 2]
+
+
+def test_classify_names_each_kind():
+    assert classify("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "collective"
+    assert classify("all-reduce-start.1") == "collective"
+    assert classify("MemcpyH2D") == "h2d"
+    assert classify("MemcpyDtoH") == "d2h"
+    assert classify("Memset") == "d2d"
+    assert classify("loop_convolution_fusion") == "compute"
+
+
+def test_breakdown_arithmetic_on_a_synthetic_trace():
+    space = xspace({"/device:GPU:0": host_bound_steps()})
+    (activity,) = gpu_activity(space).values()  # the annotation line is not counted
+    b = replica_breakdown(activity, step_ms=30.0, steps=4, calls=4)
+    assert b.compute_ms == pytest.approx(17.0)
+    assert b.collective_ms == pytest.approx(1.0)
+    assert b.hidden_collective_ms == pytest.approx(0.5)  # 17.5..18 under the kernel
+    assert b.exposed_collective_ms == pytest.approx(0.5)
+    assert b.h2d_ms == pytest.approx(1.0) and b.exposed_h2d_ms == pytest.approx(1.0)
+    assert b.busy_ms == pytest.approx(1.0 + 17.0 + 0.5)  # union: copy, kernel, the NCCL tail
+    assert b.idle_ms == pytest.approx(30.0 - 18.5)
+    assert b.per_call_gap_ms == pytest.approx(30.0 - 18.5)  # the 3 gaps between the 4 calls
+    assert b.top_kernels[0][0] == "fusion_conv"
+
+
+def test_host_bound_verdict_advises_steps_per_execution_with_its_gain():
+    space = xspace({"/device:GPU:0": host_bound_steps()})
+    report, why = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=CONTEXT_1)
+    assert why is None
+    verdict = report["verdict"]
+    assert verdict["kind"] == "host-bound"
+    first = verdict["advice"][0]
+    # the 11.5 ms gap: the smallest N leaving <= 2% of 30 ms (0.6 ms) is 32 -> 11.5 * (1 - 1/32) saved
+    assert first["change"] == "steps_per_execution=32"
+    assert first["saved_ms"] == pytest.approx(11.5 * (1 - 1 / 32), rel=1e-3)
+    assert first["gain"] == pytest.approx(30.0 / (30.0 - 11.5 * (1 - 1 / 32)) - 1, rel=1e-3)
+
+
+def test_steps_per_execution_choice_and_calls_per_step():
+    space = xspace({"/device:GPU:0": host_bound_steps(steps=8)})
+    (activity,) = gpu_activity(space).values()
+    # the same 8 steps made in 2 calls of 4: only the longest call gap counts, paid 2/8 per step
+    b = replica_breakdown(activity, step_ms=30.0, steps=8, calls=2)
+    context = StepContext(replicas=1, steps_per_execution=4, gradient_bytes=RESNET_BYTES, gradient_tensors=161)
+    verdict = diagnose(b, context)
+    advice = [a for a in verdict.advice if a.change.startswith("steps_per_execution")][0]
+    assert advice.saved_ms == pytest.approx(11.5 * (2 / 8) - 11.5 / 32, rel=1e-3)
+
+
+def test_input_bound_verdict_float_and_uint8_input():
+    events = [("MemcpyH2D", 0.0, 12.0), ("fusion", 12.0, 18.0)]
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=30.5,
+                          steps=1, calls=1)
+    as_float = diagnose(b, StepContext(replicas=1, steps_per_execution=1, gradient_bytes=4, gradient_tensors=1,
+                                       float_input=True))
+    assert as_float.kind == "input-bound"
+    assert "uint8" in as_float.advice[0].change
+    assert as_float.advice[0].saved_ms == pytest.approx(9.0)
+    as_uint8 = diagnose(b, StepContext(replicas=1, steps_per_execution=1, gradient_bytes=4, gradient_tensors=1))
+    assert "prefetch" in as_uint8.advice[0].change
+    assert as_uint8.advice[0].saved_ms == pytest.approx(12.0)
+
+
+def test_link_bound_verdict_advises_bfloat16_from_bytes_and_link():
+    events = [("fusion", 0.0, 20.0), ("ncclDevKernel_AllReduce", 20.0, 10.0)]
+    link = costmodel.LINKS["pcie-host"]
+    context = StepContext(replicas=2, steps_per_execution=1, gradient_bytes=RESNET_BYTES * 4, gradient_tensors=161,
+                          link=link, machine_kind="pcie")
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=30.0,
+                          steps=1, calls=1)
+    verdict = diagnose(b, context)
+    assert verdict.kind == "link-bound"
+    bf16 = [a for a in verdict.advice if "bfloat16" in a.change][0]
+    full = costmodel.allreduce_ms(RESNET_BYTES * 4, link, 2)
+    half = costmodel.allreduce_ms(RESNET_BYTES * 2, link, 2)
+    assert bf16.saved_ms == pytest.approx(10.0 * (full - half) / full, rel=1e-4)
+    assert any("latency_hiding" in a.change for a in verdict.advice)
+
+
+def test_compute_bound_verdict_gives_no_gain_it_cannot_predict():
+    events = [("fusion", 0.0, 29.0)]
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=30.0,
+                          steps=1, calls=1)
+    verdict = diagnose(b, CONTEXT_1)
+    assert verdict.kind == "compute-bound"
+    assert verdict.fractions["compute-bound"] == pytest.approx(29 / 30)
+
+
+def test_two_replicas_mean_and_nvlink_answer():
+    gpu1 = [(n, s, d * 1.5 if n.startswith("nccl") else d) for n, s, d in host_bound_steps()]
+    space = xspace({"/device:GPU:1": gpu1, "/device:GPU:0": host_bound_steps()})
+    link = costmodel.LINKS["nvswitch-h200"]
+    context = StepContext(replicas=2, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                          per_replica_batch=128, link=link, machine_kind="nvswitch")
+    report, _ = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=context, nvlink_bytes_per_step=5.1e7)
+    assert [r["plane"] for r in report["replicas"]] == ["/device:GPU:0", "/device:GPU:1"]
+    assert report["mean"]["collective_ms"] == pytest.approx(1.25)
+    nvlink = report["nvlink"]
+    extra = costmodel.allreduce_ms(RESNET_BYTES, costmodel.LINKS["pcie-host"], 2) - costmodel.allreduce_ms(
+        RESNET_BYTES, link, 2)
+    hidden = report["mean"]["hidden_collective_ms"]
+    expected_step = 30.0 - report["mean"]["exposed_collective_ms"] + max(1.25 + extra - hidden, 0)
+    assert nvlink["step_ms_without_nvlink"] == pytest.approx(expected_step, rel=1e-3)
+    assert nvlink["speedup_from_nvlink"] == pytest.approx(expected_step / 30.0, rel=1e-3)
+    assert nvlink["allreduce_bytes_per_step_measured"] == 5.1e7
+    machines = {row["machine"] for row in report["scaling"]}
+    assert {"this machine", "nvswitch-h200", "pcie-gen4", "pcie-host"} <= machines
+    assert {row["gpus"] for row in report["scaling"]} == {2, 4, 8}
+
+
+def test_one_replica_nvlink_answer_predicts_two_gpus():
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": host_bound_steps()}))["/device:GPU:0"],
+                          step_ms=30.0, steps=4, calls=4)
+    answer = nvlink_answer(b, CONTEXT_1)
+    assert answer["answer"].startswith("one replica")
+    assert answer["gpus"] == 2 and answer["speedup_from_nvlink"] > 1.0
+    rows = scaling(b, CONTEXT_1)
+    pcie_8 = [r for r in rows if r["machine"] == "pcie-gen4" and r["gpus"] == 8][0]
+    nvswitch_8 = [r for r in rows if r["machine"] == "nvswitch-h200" and r["gpus"] == 8][0]
+    assert pcie_8["scaling"] < nvswitch_8["scaling"] <= 1.0
+    assert "this machine" not in {r["machine"] for r in rows}
+
+
+def test_no_gpu_plane_says_why():
+    space = xspace({})
+    report, why = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=CONTEXT_1)
+    assert "no GPU activity" in why and "/host:CPU" in why
+    assert report["unavailable"] == why and report["context"]["gradient_bytes"] == RESNET_BYTES
+
+
+def test_missing_trace_says_which_folder(tmp_path):
+    report, why = diagnose_trace(str(tmp_path), step_ms=1.0, steps=1, calls=1, context=CONTEXT_1)
+    assert str(tmp_path) in why and "xplane.pb" in why
+
+
+def test_outputs_table_json_chart(tmp_path):
+    space = xspace({"/device:GPU:0": host_bound_steps()})
+    report, _ = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=CONTEXT_1)
+    report["nvlink_bytes_per_step"] = "unavailable: one replica, nothing is all-reduced over NVLink"
+    report["fit_call"] = {"fixed_ms": 12.5, "measured": "from on_train_begin to the first batch"}
+    table = outputs.render_table(report)
+    assert "verdict: host-bound" in table and "steps_per_execution=32" in table
+    assert "GPU idle" in table and "11.50" in table and "unavailable: one replica" in table
+    path = outputs.write_json(report, str(tmp_path / "out" / "doctor.json"))
+    assert json.loads(Path(path).read_text())["verdict"]["kind"] == "host-bound"
+    events = outputs.write_tensorboard(report, str(tmp_path / "tb"), step=3)
+    assert list(Path(events).glob("events.out.tfevents.*"))
+    pytest.importorskip("matplotlib")
+    chart = outputs.write_chart(report, str(tmp_path / "doctor.png"))
+    assert Path(chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_name_the_problem():
+    from tf_nvlink.tools.doctor.callback import _positive_int
+
+    with pytest.raises(ValueError, match="window_steps should be a positive integer"):
+        _positive_int("window_steps", 0)
+    with pytest.raises(ValueError, match="steps and calls must be >= 1"):
+        replica_breakdown(next(iter(gpu_activity(xspace({"/device:GPU:0": host_bound_steps()})).values())),
+                          step_ms=1.0, steps=0, calls=1)
+
+
+CALLBACK_ON_CPU = r'''
+import json, logging, os, sys, time
+import numpy as np, keras, tensorflow as tf
+import tf_nvlink
+out = sys.argv[1]
+records = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("tf_nvlink").addHandler(Catch())
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32"); y = x.sum(axis=1, keepdims=True)
+doctor = tf_nvlink.StepDoctor(warmup_steps=10, window_steps=4, output_dir=out, global_batch=8)
+tensorboard = keras.callbacks.TensorBoard(log_dir=os.path.join(out, "tb"))
+history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[doctor, tensorboard])
+losses = history.history["loss"]
+print(json.dumps({"records": records, "unavailable": doctor.unavailable, "report": doctor.report,
+                  "history_doctor": getattr(history, "step_doctor", None),
+                  "losses": losses, "files": doctor.files, "overhead_s": doctor.overhead_s,
+                  "iterations": int(model.optimizer.iterations.numpy())}))
+'''
+
+
+def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(tmp_path):
+    result = run_python([ "-c", CALLBACK_ON_CPU, str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    doctor_lines = [r for r in data["records"] if r.startswith("StepDoctor")]
+    assert len(doctor_lines) == 1 and "no GPU activity" in doctor_lines[0], data["records"]
+    assert data["iterations"] == 24 and len(data["losses"]) == 3  # all 3 epochs of 8 steps trained
+    assert data["losses"][-1] < data["losses"][0]
+    assert data["unavailable"] in doctor_lines[0]
+    # 8 steps per epoch: the window (steps 10..13) lies inside the second epoch
+    assert data["report"]["window"] == {"epoch": 1, "steps": 4, "calls": 4, "step_ms": data["report"]["window"][
+        "step_ms"]}
+    assert json.loads(Path(data["files"]["json"]).read_text())["unavailable"] == data["unavailable"]
+    assert data["history_doctor"] == data["report"]
+    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert data["report"]["nvlink_bytes_per_step"].startswith("unavailable: one replica")
+    assert data["overhead_s"] < 30
+
+
+@pytest.mark.skipif(not (FIXTURE / "observation.json").exists(),
+                    reason=f"no GPU trace fixture at {FIXTURE} (written on a GPU machine by benchmarks/step_doctor.py "
+                           "--models resnet50 --trace_out tests/tools/fixtures)")
+def test_gpu_fixture_reads_into_a_verdict():
+    observation = json.loads((FIXTURE / "observation.json").read_text())
+    context = StepContext(**{k: v for k, v in observation["context"].items() if k != "link"},
+                          link=costmodel.LINKS["nvswitch-h200"] if observation["context"]["replicas"] > 1 else None)
+    report, why = diagnose_trace(str(FIXTURE / "profile"), step_ms=observation["step_ms"],
+                                 steps=observation["steps"], calls=observation["calls"], context=context)
+    assert why is None
+    assert report["verdict"]["kind"] == observation["verdict"]
+    mean = report["mean"]
+    assert 0 < mean["compute_ms"] <= mean["busy_ms"] <= mean["step_ms"] + 1e-6
+
+
+@pytest.mark.slow  # two TensorFlow fits in a subprocess: about 15 s
+def test_step_doctor_benchmark_cpu_path_writes_rows_and_a_fixture(tmp_path):
+    """benchmarks/step_doctor.py on one CPU device with a tiny model: the doctor says why it has no breakdown,
+    the (a) setup is timed over the rounds, no advice is applied, and --trace_out saves the trace."""
+    root = Path(__file__).resolve().parents[2]
+    result = run_python([str(root / "benchmarks" / "step_doctor.py"), "--models", "convnet", "--devices", "cpu",
+                         "--rounds", "2", "--steps", "3", "--warmup_steps", "2", "--doctor_warmup", "2",
+                         "--doctor_window", "2", "--notorch", "--json", str(tmp_path / "out.json"),
+                         "--trace_out", str(tmp_path / "fixtures"), "--output_dir", str(tmp_path / "doctor")],
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = json.loads((tmp_path / "out.json").read_text())
+    assert list(record["rows"]) == ["a: tf_nvlink spe=1"]
+    assert len(record["rows"]["a: tf_nvlink spe=1"]["fit_s"]) == 2
+    assert "no GPU activity" in record["doctor_unavailable"] and "advice" not in record
+    assert "no steps_per_execution advice to apply" in result.stdout
+    assert 0 <= record["doctor_cost"]["fraction_of_2000_step_epoch"] < 0.5
+    fixture = tmp_path / "fixtures" / "step_doctor_convnet"
+    observation = json.loads((fixture / "observation.json").read_text())
+    assert observation["steps"] == 2 and observation["context"]["replicas"] == 1
+    assert list((fixture / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_advised_steps_per_execution_is_read_from_the_report():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("step_doctor_bench", root / "benchmarks" / "step_doctor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = {"verdict": {"advice": [{"change": "send the input as uint8", "gain": 0.1},
+                                     {"change": "steps_per_execution=8", "gain": 0.2}]}}
+    assert module.advised_steps_per_execution(report)[0] == 8
+    assert module.advised_steps_per_execution({"unavailable": "no GPU"}) == (None, None)
+
+
+def test_machine_context_reads_the_links_from_nvml():
+    import keras
+
+    from tests import fake_nvml
+    from tf_nvlink.tools.doctor.callback import machine_context
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    h200 = machine_context(model, gpus=[0, 1], global_batch=64, nvml=fake_nvml.FakeNvml(fake_nvml.h200_x2()))
+    assert h200.link.name.startswith("nvswitch") and h200.machine_kind == "nvswitch"
+    assert (h200.replicas, h200.steps_per_execution, h200.per_replica_batch) == (1, 3, 64)
+    assert h200.gradient_bytes == 4 * (8 * 4 + 4) and h200.gradient_tensors == 2 and h200.float_input
+    one_gpu = machine_context(model, gpus=[0], global_batch=0, nvml=fake_nvml.FakeNvml(fake_nvml.h200_x2()))
+    assert one_gpu.machine_kind == "single" and one_gpu.link.name.startswith("nvswitch")  # its machine's links
+    pcie = machine_context(model, gpus=[0, 1, 2, 3], global_batch=0, nvml=fake_nvml.FakeNvml(fake_nvml.pcie_x4()))
+    assert pcie.machine_kind == "pcie" and pcie.link.name.startswith("pcie")
+    assert machine_context(model, gpus=None, global_batch=0).link is None  # no plan, no GPUs named
+
+
+def test_nvlink_answer_on_a_pcie_machine_says_nvlink_buys_nothing():
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": host_bound_steps()}))["/device:GPU:0"],
+                          step_ms=30.0, steps=4, calls=4)
+    context = StepContext(replicas=4, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                          link=costmodel.LINKS["pcie-gen4"], machine_kind="pcie")
+    answer = nvlink_answer(b, context)
+    assert "not NVLink" in answer["answer"] and answer["speedup_from_nvlink"] == 1.0
+
+
+@pytest.mark.slow  # a benchmark candidate and the doctor's fit, each in its own process
+def test_examples_benchmark_step_doctor_flag_runs_the_doctor(tmp_path):
+    result = run_python(["examples/benchmark.py", "--model", "convnet", "--candidates", "auto", "--steps", "2",
+                         "--batch_per_replica", "4", "--cpu_devices", "1", "--step_doctor",
+                         "--step_doctor_dir", str(tmp_path)], timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "# step doctor: -m tf_nvlink.tools.doctor --model convnet" in result.stdout
+    report = json.loads((tmp_path / "step_doctor.json").read_text())
+    assert "no GPU activity" in report["unavailable"] and report["context"]["replicas"] == 1
+
+
+def test_scaling_from_two_replicas_takes_off_their_overhead_and_xla_flag_advice_is_not_repeated():
+    events = [("fusion", 0.0, 20.0), ("ncclDevKernel_AllReduce", 20.0, 10.0)]
+    b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=34.0,
+                          steps=1, calls=1)
+    link = costmodel.LINKS["nvswitch-h200"]
+    context = StepContext(replicas=2, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                          per_replica_batch=128, link=link, machine_kind="nvswitch")
+    rows = scaling(b, context, replica_overhead_ms=2.0)
+    two = [r for r in rows if r["machine"] == "nvswitch-h200" and r["gpus"] == 2][0]
+    one_gpu_ms = 34.0 - 10.0 - 2.0  # less the exposed all-reduce and one extra replica's overhead
+    assert one_gpu_ms > b.compute_ms  # (never below the kernels' 20 ms)
+    expected = costmodel.predict(costmodel.Workload(one_gpu_ms, RESNET_BYTES, 161, 128), link, 2,
+                                 replica_overhead_ms=2.0)
+    assert two["step_ms"] == pytest.approx(expected.step_ms, abs=1e-3)
+    with_flag = dataclasses.replace(context, xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
+    assert any("latency_hiding" in a.change for a in diagnose(b, context).advice)
+    assert not any("latency_hiding" in a.change for a in diagnose(b, with_flag).advice)

@@ -1,0 +1,77 @@
+"""Training a benchmark model with the step doctor riding along: the shared part of `python -m
+tf_nvlink.tools.doctor`, `examples/benchmark.py --step_doctor` and `benchmarks/step_doctor.py`.
+
+The models and their host input are the training benchmark's (`tf_nvlink.tools.training_bench.models`): a uint8
+host batch through tf.data, cast on the device, `mixed_bfloat16`, SGD with momentum, XLA, `tf_nvlink.strategy()`.
+
+Example:
+    >>> strategy = configure(cpu_devices=0)
+    >>> model, dataset, global_batch = build("resnet50", strategy, batch_per_replica=128)
+    >>> doctor = doctor_fit(model, dataset, global_batch, output_dir="doctor")
+    >>> doctor.report["verdict"]["kind"]
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from tf_nvlink.tools.training_bench import models
+
+
+def configure(cpu_devices: int = 0, mixed_precision: bool = True):
+    """`tf_nvlink.strategy()` over the GPUs (memory growth on, so a peer process can share them) or over
+    `cpu_devices` logical CPU devices; sets `mixed_bfloat16` when asked. Call once per process, first."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    import tf_nvlink  # noqa: PLC0415
+
+    devices = None
+    if cpu_devices:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    else:
+        for gpu in tf.config.list_physical_devices("GPU"):
+            tf.config.experimental.set_memory_growth(gpu, True)
+    if mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    return tf_nvlink.strategy(devices=devices)
+
+
+def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_execution: int = 1,
+          jit_compile: Optional[bool] = None):
+    """(compiled model, endless host dataset of one synthetic batch, global batch) under `strategy`.
+    jit_compile: default XLA on GPUs, off on CPU devices (XLA on CPU cannot compile the collectives)."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    global_batch = batch_per_replica * strategy.num_replicas_in_sync
+    x, y = models.synthetic_batch(model_name, global_batch)
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = dataset.with_options(options)
+    if jit_compile is None:
+        jit_compile = bool(tf.config.list_logical_devices("GPU"))
+    with strategy.scope():
+        model = models.build_bench_model(model_name, x, keras, "host")
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
+                      jit_compile=jit_compile, steps_per_execution=steps_per_execution)
+    return model, dataset, global_batch
+
+
+def doctor_fit(model: Any, dataset: Any, global_batch: int, output_dir: str, warmup_steps: int = 20,
+               window_steps: int = 10, verbose: bool = True):
+    """One `fit` of warmup + window + 2 steps with a StepDoctor; returns the doctor (its `report`)."""
+    from tf_nvlink.tools.doctor.callback import StepDoctor  # noqa: PLC0415
+
+    os.makedirs(output_dir, exist_ok=True)
+    doctor = StepDoctor(warmup_steps=warmup_steps, window_steps=window_steps, output_dir=output_dir,
+                        global_batch=global_batch, verbose=verbose)
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    steps = -(-(warmup_steps + window_steps + 2 * spe) // spe) * spe
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=[doctor])
+    return doctor

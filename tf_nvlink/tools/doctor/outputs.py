@@ -1,0 +1,101 @@
+"""The doctor's report as people read it: a short text table, a JSON file, a PNG bar chart, TensorBoard scalars.
+
+A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane), "mean", "verdict",
+"nvlink", "scaling", "context", "trace", "nvlink_bytes_per_step", "fit_call", "window" and "doctor_hooks_s"; without
+a breakdown, "unavailable" (why) instead of the first five.
+
+Example:
+    >>> print(render_table(doctor.report))
+    >>> write_json(doctor.report, "step_doctor.json"); write_chart(doctor.report, "step_doctor.png")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from tf_nvlink.util.atomic_files import write_atomic
+
+# The step's parts, in the order the table and the chart show them (key in a breakdown dict, label).
+PARTS = (("compute_ms", "compute"), ("exposed_collective_ms", "all-reduce exposed"),
+         ("hidden_collective_ms", "all-reduce hidden"), ("exposed_h2d_ms", "input copy exposed"),
+         ("idle_ms", "GPU idle"))
+
+
+def render_table(report: dict) -> str:
+    """A few lines: the step's parts per replica, the verdict with its advice, NVLink bytes and what NVLink buys."""
+    replicas = report["replicas"]
+    header = f"{'step doctor (ms/step)':<24}" + "".join(f"{r['plane'].replace('/device:', ''):>10}" for r in replicas)
+    lines = [header]
+    for key, label in (("step_ms", "step"),) + PARTS + (("h2d_ms", "input copy total"),
+                                                         ("per_call_gap_ms", "gap per call"),):
+        lines.append(f"{label:<24}" + "".join(f"{r[key]:>10.2f}" for r in replicas))
+    verdict = report["verdict"]
+    lines.append(f"verdict: {verdict['kind']}")
+    for advice in verdict["advice"]:
+        lines.append(f"  try {advice['change']}: predicted {advice['predicted_step_ms']:.2f} ms/step "
+                     f"(+{advice['gain']:.0%}); {advice['why']}")
+    fit_call = report.get("fit_call") or {}
+    if fit_call:
+        lines.append(f"fixed cost of the fit call: {fit_call['fixed_ms']:.1f} ms ({fit_call['measured']})")
+    nvlink_bytes = report.get("nvlink_bytes_per_step")
+    lines.append(f"NVLink bytes per step: {nvlink_bytes:.4g}" if isinstance(nvlink_bytes, (int, float))
+                 else f"NVLink bytes per step: {nvlink_bytes}")
+    nvlink = report.get("nvlink") or {}
+    if nvlink:
+        line = f"NVLink: {nvlink['answer']}"
+        if "step_ms_without_nvlink" in nvlink:
+            line += (f" (step {nvlink.get('step_ms_with_nvlink')} ms with, {nvlink['step_ms_without_nvlink']} ms "
+                     f"without: x{nvlink['speedup_from_nvlink']})")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: str) -> str:
+    """Write the report as JSON (atomically) and return the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(report, indent=1, sort_keys=True) + "\n", mode=0o644)
+    return path
+
+
+def write_chart(report: dict, path: str) -> Optional[str]:
+    """A stacked bar per replica of the step's parts as a PNG; None (nothing written) without matplotlib."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    replicas = report["replicas"]
+    labels = [r["plane"].replace("/device:", "") for r in replicas]
+    figure, axes = plt.subplots(figsize=(1.8 * len(labels) + 3.5, 4))
+    bottoms = [0.0] * len(replicas)
+    for key, label in PARTS:
+        values = [r[key] for r in replicas]
+        axes.bar(labels, values, bottom=bottoms, label=label)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    axes.set_ylabel("ms per step")
+    axes.set_title(f"step doctor: {report['verdict']['kind']}")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_tensorboard(report: dict, log_dir: str, step: int) -> str:
+    """The mean breakdown and the advice's predicted gains as scalars under <log_dir>/step_doctor."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    directory = os.path.join(log_dir, "step_doctor")
+    writer = tf.summary.create_file_writer(directory)
+    with writer.as_default(step=step):
+        for key, _ in (("step_ms", "step"),) + PARTS:
+            tf.summary.scalar(f"step_doctor/{key}", report["mean"][key])
+        for index, advice in enumerate(report["verdict"]["advice"]):
+            tf.summary.scalar(f"step_doctor/advice{index}_predicted_gain", advice["gain"])
+    writer.close()
+    return directory

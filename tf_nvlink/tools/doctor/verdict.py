@@ -1,0 +1,164 @@
+"""The verdict on a step breakdown (host-bound, input-bound, link-bound, compute-bound) and the changes that
+help most, each with its predicted gain.
+
+- host-bound: the GPU idles (waits for the host). The per-call gap is paid once per call, so
+  `steps_per_execution=N` saves `gap * (calls per step - 1/N)` per step.
+- input-bound: host-to-device copies not hidden behind compute. float32 input sent as uint8 moves a quarter of the
+  bytes (saves 3/4 of the exposed copy); prefetching to the devices hides the copy (saves all of it).
+- link-bound: the all-reduce not hidden behind compute. `allreduce_dtype="bfloat16"` halves the bytes: the saving is
+  the exposed time times the share of the cost model's all-reduce time that the halved bytes remove;
+  XLA's latency-hiding scheduler can hide at most the exposed time.
+- compute-bound: the kernels fill the step; the trace predicts no gain from the changes above.
+
+Example:
+    >>> context = StepContext(replicas=1, steps_per_execution=1, gradient_bytes=102_236_160,
+    ...                       gradient_tensors=161, per_replica_batch=128)
+    >>> verdict = diagnose(mean_breakdown(replicas), context)
+    >>> verdict.kind, verdict.advice[0].change
+    ('host-bound', 'steps_per_execution=8')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from tf_nvlink.tools import costmodel
+from tf_nvlink.tools.doctor.breakdown import ReplicaBreakdown
+
+VERDICTS = ("host-bound", "input-bound", "link-bound", "compute-bound")
+# A cost below this fraction of the step is not worth a verdict: the step is then compute-bound.
+BOUND_FRACTION = 0.15
+STEPS_PER_EXECUTION_CHOICES = (2, 4, 8, 16, 32)
+# steps_per_execution is raised until the per-call gap left per step is at most this fraction of the step.
+REMAINING_GAP_FRACTION = 0.02
+LATENCY_HIDING_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What the doctor knows about the training besides the trace.
+
+    replicas: replicas in sync; steps_per_execution: the model's; gradient_bytes: float32 bytes of the trainable
+    variables; gradient_tensors: how many; per_replica_batch: samples per replica per step (0 when unknown);
+    allreduce_dtype: the dtype the gradients cross the link in; float_input: the model takes float32 input
+    (sent to the GPUs at 4 bytes an element); link: the cost model of this machine's GPUs (None: one GPU or no
+    NVML); machine_kind: topology kind of the GPUs ("nvswitch", "nvlink-all", "pcie", "single", ...); xla_flags:
+    the XLA_FLAGS the process runs with (tf_nvlink sets the latency-hiding scheduler for fused multi-GPU XLA).
+    """
+
+    replicas: int
+    steps_per_execution: int
+    gradient_bytes: int
+    gradient_tensors: int
+    per_replica_batch: int = 0
+    allreduce_dtype: str = "float32"
+    float_input: bool = False
+    link: Optional[costmodel.LinkModel] = None
+    machine_kind: str = "unknown"
+    xla_flags: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """One change and its predicted step time: `gain` = step / predicted step - 1 (0.2 = 20% faster)."""
+
+    change: str
+    why: str
+    saved_ms: float
+    predicted_step_ms: float
+    gain: float
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The bottleneck (`kind`, one of VERDICTS), each candidate cost as a fraction of the step, and the one or
+    two changes predicted to help most, best first."""
+
+    kind: str
+    fractions: dict
+    advice: tuple[Advice, ...]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "fractions": {k: round(v, 4) for k, v in self.fractions.items()},
+                "advice": [a.to_dict() for a in self.advice]}
+
+
+def _advice(change: str, why: str, saved_ms: float, step_ms: float) -> Advice:
+    saved = min(max(saved_ms, 0.0), step_ms * 0.999)
+    predicted = step_ms - saved
+    return Advice(change, why, saved, predicted, step_ms / predicted - 1.0)
+
+
+def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Optional[Advice]:
+    """`steps_per_execution=N` for the smallest N of STEPS_PER_EXECUTION_CHOICES (above the current one) that
+    leaves at most REMAINING_GAP_FRACTION of the step in per-call gaps; None without a per-call gap."""
+    if b.per_call_gap_ms <= 0:
+        return None
+    now = b.per_call_gap_ms * b.calls_per_step
+    larger = [n for n in STEPS_PER_EXECUTION_CHOICES if n > context.steps_per_execution]
+    if not larger:
+        return None
+    chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * b.step_ms), larger[-1])
+    saved = now - b.per_call_gap_ms / chosen
+    return _advice(f"steps_per_execution={chosen}",
+                   f"each training-function call leaves the GPU idle {b.per_call_gap_ms:.2f} ms between calls; "
+                   f"{chosen} steps per call pay it once", saved, b.step_ms)
+
+
+def input_advice(b: ReplicaBreakdown, context: StepContext) -> Optional[Advice]:
+    """uint8 input (float32 input) or prefetching to the devices, from the exposed host-to-device copy."""
+    if b.exposed_h2d_ms <= 0:
+        return None
+    if context.float_input:
+        return _advice("send the input as uint8 and cast it on the GPU (keras.layers.Rescaling(1/255))",
+                       f"{b.exposed_h2d_ms:.2f} ms of host-to-device copy per step is not hidden; uint8 moves a "
+                       f"quarter of the float32 bytes", 0.75 * b.exposed_h2d_ms, b.step_ms)
+    return _advice("prefetch 2 batches to each device: tf_nvlink.strategy(input_buffer=2)",
+                   f"{b.exposed_h2d_ms:.2f} ms of host-to-device copy per step is not hidden behind compute",
+                   b.exposed_h2d_ms, b.step_ms)
+
+
+def allreduce_advice(b: ReplicaBreakdown, context: StepContext) -> list[Advice]:
+    """bfloat16 all-reduce (float32 now) and XLA's latency-hiding scheduler, from the exposed collective."""
+    if context.replicas < 2 or b.exposed_collective_ms <= 0:
+        return []
+    found = []
+    if context.allreduce_dtype == "float32" and context.link is not None and context.gradient_bytes:
+        # one call: the gradients are packed into one buffer (tf_nvlink's default num_packs=1)
+        full = costmodel.allreduce_ms(context.gradient_bytes, context.link, context.replicas)
+        half = costmodel.allreduce_ms(context.gradient_bytes / 2, context.link, context.replicas)
+        share = (full - half) / full if full > 0 else 0.0
+        found.append(_advice('tf_nvlink.strategy(allreduce_dtype="bfloat16")',
+                             f"{b.exposed_collective_ms:.2f} ms of all-reduce per step is exposed; bfloat16 halves "
+                             f"the {context.gradient_bytes / 2**20:.0f} MiB of gradients, {share:.0%} of the "
+                             f"modelled all-reduce time on {context.link.name}",
+                             share * b.exposed_collective_ms, b.step_ms))
+    if LATENCY_HIDING_FLAG in context.xla_flags:
+        return found
+    found.append(_advice(f"XLA_FLAGS={LATENCY_HIDING_FLAG}",
+                         f"the scheduler overlaps the all-reduce with the backward pass: it can hide at most the "
+                         f"{b.exposed_collective_ms:.2f} ms exposed per step (an upper bound)",
+                         b.exposed_collective_ms, b.step_ms))
+    return found
+
+
+def diagnose(b: ReplicaBreakdown, context: StepContext) -> Verdict:
+    """The verdict and the (at most two) changes with the largest predicted gain, for the verdict's cost first."""
+    fractions = {"host-bound": b.idle_ms / b.step_ms, "input-bound": b.exposed_h2d_ms / b.step_ms,
+                 "link-bound": b.exposed_collective_ms / b.step_ms}
+    kind = max(fractions, key=fractions.get)
+    if fractions[kind] < BOUND_FRACTION:
+        kind = "compute-bound"
+    fractions["compute-bound"] = b.compute_ms / b.step_ms
+    by_cost = {"host-bound": [steps_per_execution_advice(b, context)],
+               "input-bound": [input_advice(b, context)],
+               "link-bound": allreduce_advice(b, context)}
+    first = sorted((a for a in by_cost.get(kind, []) if a is not None), key=lambda a: -a.gain)
+    rest = sorted((a for k, options in by_cost.items() if k != kind for a in options if a is not None),
+                  key=lambda a: -a.gain)
+    advice = (first + rest)[:2]
+    return Verdict(kind, fractions, tuple(a for a in advice if a.saved_ms > 0))
