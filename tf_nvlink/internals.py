@@ -376,6 +376,17 @@ def set_initial_epoch(model, epoch: int) -> None:
     model._initial_epoch = epoch  # noqa: SLF001
 
 
+def xplane_protobuf_module():
+    """The protobuf module of the TensorFlow profiler's trace format (`XSpace`, `XPlane`, `XLine`, `XEvent`).
+
+    Why: `tf.profiler.experimental.stop()` writes `<logdir>/plugins/profile/<run>/<host>.xplane.pb`; the parser for
+    it lives in TensorBoard's profile plugin, which training machines rarely have. The message classes ship with
+    TensorFlow itself at `tensorflow.tsl.profiler.protobuf.xplane_pb2` (checked on TensorFlow 2.21), outside the
+    public `tf.*` API, so the step doctor reads the file as a plain protobuf through this one import.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
+
+    return xplane_pb2
 
 
 def read_profiler_trace(path: str):
