@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
-#                                                      transformer p2poff cudagraphs loops profile monitor onegpu
+#                                                      transformer p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu
 #                                                      onegpu8 (each about 10 minutes or less on 2x H200; one per
 #                                                      command)
 #
@@ -57,6 +57,10 @@ for stage in $stages; do
         --warmup_steps 5 --candidates 1gpu,auto,auto@nop2p,auto@bf16grad@nop2p --json "$out/transformer.json" ;;
     p2poff) run p2poff "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
               --warmup_steps 10 --candidates auto,auto@nop2p,auto@bf16grad@nop2p --json "$out/p2poff.json" ;;
+    doctor) run doctor "$py" benchmarks/step_doctor.py --models resnet50 --rounds 3 --json "$out/doctor_resnet50.json" \
+              --output_dir "$out/doctor" --trace_out "$out/fixtures" ;;
+    doctor_transformer) run doctor_transformer "$py" benchmarks/step_doctor.py --models transformer --rounds 3 \
+                          --json "$out/doctor_transformer.json" --output_dir "$out/doctor" ;;
     cudagraphs) run cudagraphs "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 3 --steps 60 \
                   --long_steps 240 --warmup_steps 10 --candidates 1gpu,1gpu@nocudagraphs,auto,auto@nocudagraphs \
                   --json "$out/cudagraphs.json" ;;
@@ -66,7 +70,7 @@ for stage in $stages; do
                --candidates 1gpu,onedevice,auto --profile "$out/profile" --json "$out/profile.json" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
-            "p2poff cudagraphs loops profile monitor onegpu onegpu8" >&2; exit 2 ;;
+            "p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu onegpu8" >&2; exit 2 ;;
   esac
 done
 exit $status

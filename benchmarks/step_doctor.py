@@ -3,7 +3,7 @@ gain, then interleaved rounds of
   (a) `tf_nvlink.strategy()`, `steps_per_execution=1` (what the doctor looked at),
   (b) the same with the doctor's `steps_per_execution=N` applied (when it advises one),
   (c) ResNet-50 only: a PyTorch peer in a child process (torchvision resnet50, bf16 autocast, channels_last,
-      `torch.compile` with default options, SGD momentum, the same batch and uint8 host batch copied to the GPU
+      `torch.compile` with default options, SGD momentum, the same batch and a pinned uint8 host batch copied to the GPU
       and scaled each step).
 Each measurement is the wall time of a whole `fit` of --steps steps (a --warmup_steps fit before compiles); the
 table gives each setup's median over the rounds and the spread (max - min) / median, and the JSON keeps every round.
@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tf_nvlink.tools import bench_stats  # noqa: E402
 from tf_nvlink.tools.training_bench import models as bench_models  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
 
@@ -72,12 +72,12 @@ def torch_child(batch: int, steps: int, warmup_steps: int) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     compiled = torch.compile(model)
     rng = np.random.default_rng(0)
-    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8))
+    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8)).pin_memory()
     host_y = torch.from_numpy(rng.integers(0, 10, size=(batch,)).astype("int64"))
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step():
-        x = host_x.to(device, non_blocking=False).float().div_(255.0).contiguous(memory_format=torch.channels_last)
+        x = host_x.to(device, non_blocking=True).float().div_(255.0).contiguous(memory_format=torch.channels_last)
         y = host_y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(compiled(x), y)
@@ -108,10 +108,15 @@ class TorchPeer:
             [sys.executable, os.path.abspath(__file__), "--torch_child", f"--batch_per_replica={batch}",
              f"--steps={steps}", f"--warmup_steps={warmup_steps}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.started = False
+
+    def wait_until_ready(self) -> None:
+        """Block until the child has compiled and warmed up (it does so while the TensorFlow side compiles)."""
         line = self.process.stdout.readline().strip()
         if line != "ready":
             self.close()
             raise RuntimeError(f"the PyTorch peer did not start (said {line!r}; its stderr is above)")
+        self.started = True
 
     def run(self) -> float:
         self.process.stdin.write("run\n")
@@ -120,8 +125,11 @@ class TorchPeer:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.write("quit\n")
-            self.process.stdin.close()
+            try:
+                self.process.stdin.write("quit\n")
+                self.process.stdin.close()
+            except BrokenPipeError:
+                pass
             self.process.wait(timeout=60)
 
 
@@ -141,9 +149,9 @@ def timed_fit(model, dataset, steps: int) -> float:
 
 
 def summary(seconds: list, samples_per_fit: int) -> dict:
-    median = statistics.median(seconds)
-    return {"fit_s": seconds, "median_s": median, "spread": (max(seconds) - min(seconds)) / median,
-            "samples_per_s": samples_per_fit / median}
+    stats = bench_stats.summarize(seconds)
+    return {"fit_s": seconds, "median_s": stats.median, "spread": stats.spread,
+            "samples_per_s": samples_per_fit / stats.median}
 
 
 def save_fixture(doctor, model_name: str, out_dir: str) -> str:
@@ -166,8 +174,11 @@ def bench_model(name: str, strategy, batch: int, torch_peer: bool) -> dict:
     from tf_nvlink.tools.doctor import bench
 
     steps, rounds = _STEPS.value, _ROUNDS.value
+    peer = TorchPeer(batch, steps, _WARMUP.value) if torch_peer else None  # first: it compiles while TF does
     model_a, dataset, global_batch = bench.build(name, strategy, batch, steps_per_execution=1)
     timed_fit(model_a, dataset, _WARMUP.value)  # compiles
+    if peer:
+        peer.wait_until_ready()  # idle from here on, until its rounds: the doctor's window has the GPU alone
     doctor = bench.doctor_fit(model_a, dataset, global_batch, os.path.join(_OUTPUT.value, name),
                               warmup_steps=_DOCTOR_WARMUP.value, window_steps=_DOCTOR_WINDOW.value)
     report = doctor.report or {}
@@ -177,7 +188,6 @@ def bench_model(name: str, strategy, batch: int, torch_peer: bool) -> dict:
         model_b, _, _ = bench.build(name, strategy, batch, steps_per_execution=n)
         timed_fit(model_b, dataset, max(_WARMUP.value, n))
         setups[f"b: tf_nvlink spe={n} (advised)"] = model_b
-    peer = TorchPeer(batch, steps, _WARMUP.value) if torch_peer else None
     seconds = {label: [] for label in setups}
     if peer:
         seconds["c: torch.compile peer"] = []
@@ -249,6 +259,8 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--models: {unknown} unknown; valid: {list(bench_models.BENCH_MODELS)}")
     print("# " + " ".join(sys.argv), flush=True)
+    # TensorFlow takes every GPU's memory at its first op unless told to grow: the PyTorch peer shares the GPU.
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     from tf_nvlink.tools.doctor import bench
 
     strategy = bench.configure(cpu_devices=_CPU_DEVICES.value if _DEVICES.value == "cpu" else 0)
