@@ -16,7 +16,7 @@ from tf_nvlink.plan import gpu_request
 ALL8 = tuple(range(8))
 
 # What the current rules choose: (machine, gpus) -> (GPUs, cross_device_ops, num_packs).
-# Edit this table when the rules change (BUILD_NOTES.md records why they are what they are).
+# Edit this table when the rules change (docs/results.md records the measurements behind them).
 CHOICES = {
     ("h200_x2", "all"): ((0, 1), "nccl", 1),
     ("h200_x2", "auto"): ((0, 1), "nccl", 1),
