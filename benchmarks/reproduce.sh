@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-run the GPU figures of BUILD_NOTES.md on this machine, every log kept whole in OUTDIR.
+# Re-run the GPU figures of docs/results.md on this machine, every log kept whole in OUTDIR.
 #
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8

@@ -16,7 +16,7 @@ Tune: `tf-nvlink tune --devices cpu:2` with a cache that already holds another e
 moment weighted towards the end of the run; after every kill the cache must be strict JSON whose entries all
 validate, with the earlier entry intact.
 
-Prints one summary block (and --json FILE writes it) with the figures BUILD_NOTES.md records.
+Prints one summary block (and --json FILE writes it) with the figures docs/results.md records.
 """
 
 import json

@@ -35,6 +35,20 @@ def tf():
     return tf_module
 
 
+def pytest_collection_finish(session):
+    """Scenario processes (tests/scenarios.py) of the collected modules start now, in the background."""
+    import scenarios
+
+    if not session.config.option.collectonly:
+        scenarios.start_for(session.items)
+
+
+def pytest_sessionfinish(session):
+    import scenarios
+
+    scenarios.stop_all()
+
+
 def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):
     """Run `python -c code` (str) or `python args...` (list) in a fresh process; returns CompletedProcess."""
     args = [sys.executable, "-c", code_or_args] if isinstance(code_or_args, str) else [sys.executable,

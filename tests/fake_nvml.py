@@ -380,3 +380,17 @@ def ring_allreduce(machine: FakeMachine, gpus, nbytes: int) -> None:
     n = len(gpus)
     for i, gpu in enumerate(gpus):
         transfer(machine, gpu, gpus[(i + 1) % n], 2 * (n - 1) * nbytes // n)
+
+
+def mixed_t4_a100():
+    """NVML 0 is a Tesla T4 (PCI 17:00.0), NVML 1 an A100 PCIe (PCI 65:00.0): CUDA's default FASTEST_FIRST order
+    makes the A100 CUDA device 0, so CUDA_VISIBLE_DEVICES=0 shows TensorFlow NVML's GPU 1 (not in MACHINES: it
+    exists for the CUDA-order tests)."""
+    gpus = [FakeGpu("Tesla T4", _pci(0x17), "GPU-t4-0", (7, 5), 15, nvlink_supported=False),
+            FakeGpu("NVIDIA A100-PCIE-40GB", _pci(0x65), "GPU-a100-1", (8, 0), 40, nvlink_supported=False)]
+    return FakeMachine(gpus, p2p_nvlink={}, pcie_level={(0, 1): 50})
+
+
+# TensorFlow's description of mixed_t4_a100's A100 as CUDA device 0 (what device_lib reports there).
+A100_AS_CUDA_0 = ("/device:GPU:0", "device: 0, name: NVIDIA A100-PCIE-40GB, pci bus id: 0000:65:00.0, "
+                                   "compute capability: 8.0")

@@ -2,14 +2,24 @@
 with the offline digits set. Each run takes a few seconds on a 2-core machine."""
 
 import importlib.util
+import json
 import os
-import sys
+import queue
 import re
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
+import time
+import zipfile
+
+import pytest
 
 from conftest import ROOT, run_python
 
 MNIST_MLP = str(ROOT / "examples" / "mnist_mlp.py")
+EXAMPLES = str(ROOT / "examples")
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
@@ -37,6 +47,7 @@ def test_mnist_mlp_trains_checkpoints_and_reloads(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert re.search(r"^tf_nvlink plan: CPU \(no GPU\) -> \w+", out, re.M), out
+    assert (out + result.stderr).count("tf_nvlink plan:") == 1, out + result.stderr  # said once, not per replica
     assert re.search(r"^dataset: UCI handwritten digits \(offline.*1437 train / 360 test", out, re.M), out
     assert "replicas: 1, global batch 1024 = 1024 per replica, 12 steps per epoch, training set repeated 8x" in out
     assert re.search(r"^Epoch 2/2$", out, re.M) and re.search(r"^training: [\d,]+ examples/s", out, re.M), out
@@ -52,6 +63,8 @@ def test_mnist_mlp_trains_checkpoints_and_reloads(tmp_path):
         assert "no TensorBoard logs (pip install tensorboard)" in out
 
 
+@pytest.mark.slow  # trains; test_bad_example_flags and test_global_batch_not_divisible_by_replicas_is_a_clear_error
+# check the batch split without training
 def test_mnist_mlp_two_replicas_split_the_global_batch(tmp_path):
     argv = ["--batch_size", "64", "--steps_per_epoch", "5", "--epochs", "1", "--dataset", "digits",
             "--model_dir", str(tmp_path)]
@@ -78,9 +91,11 @@ def test_mnist_mlp_bad_strategy_flags_are_usage_errors(tmp_path):
     assert "Epoch" not in result.stdout
 
 
-def test_mnist_mlp_helpfull_documents_the_flags():
-    result = run_python([MNIST_MLP, "--helpfull"], timeout=120)
-    assert result.returncode == 1, result.stderr  # absl's help flags exit with status 1
+def test_mnist_mlp_helpfull_documents_the_flags_without_importing_tensorflow():
+    result = run_python(["-X", "importtime", MNIST_MLP, "--helpfull"], timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]  # absl's help flags exit with status 1
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "import time:" in line}
+    assert not {"tensorflow", "keras"} & imported, sorted(m for m in imported if "tensorflow" in m or "keras" in m)
     for flag in ("--gpus", "<auto|autotune|nccl|hierarchical|reduce_to_one|collective>",
                  "--num_packs", "--batch_size: GLOBAL batch size", "--epochs", "--model_dir", "--[no]jit_compile",
                  "--dataset: <auto|mnist|digits>", "--steps_per_epoch"):
@@ -89,8 +104,6 @@ def test_mnist_mlp_helpfull_documents_the_flags():
 
 
 def test_reproduce_script_keeps_whole_logs_and_rejects_unknown_stages(tmp_path):
-    import subprocess
-
     script = str(ROOT / "benchmarks" / "reproduce.sh")
     proc = subprocess.run(["bash", script, str(tmp_path), "report"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT)))
@@ -104,6 +117,7 @@ def test_reproduce_script_keeps_whole_logs_and_rejects_unknown_stages(tmp_path):
 CUSTOM_LOOP = str(ROOT / "examples" / "custom_loop.py")
 
 
+@pytest.mark.slow  # two trainings; tests/training/test_per_replica_steps.py covers the jit step through strategy.run
 def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp_path):
     """examples/custom_loop.py: a jit step through strategy.run on 2 CPU replicas (split mode), then a rerun with
     more epochs resumes from the tf.train.Checkpoint and trains only the missing epoch."""
@@ -121,3 +135,191 @@ def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp
     assert "epoch 1/2" not in out and re.search(r"^epoch 2/2: .*saved .*ckpt-2$", out, re.M), out
     accuracy = float(re.search(r"^test accuracy: (\d\.\d{4})$", out, re.M).group(1))
     assert accuracy >= 0.8, out  # measured 0.89 after 2 epochs
+
+
+# ---------------------------------------------------------------- the example's flags, each bad one a usage error
+# The example's flags: absl's own checks (bounds, enums) and main()'s (gpus, num_packs, model_dir, batch split).
+# One subprocess imports the example once and tries every case; main() is stopped before it trains.
+FLAG_CASES = {  # id: (argv, needles)
+    "epochs -1": (["--epochs=-1"], ["--epochs=-1", "positive integer"]),
+    "epochs 0": (["--epochs=0"], ["--epochs=0", "positive integer"]),
+    "epochs x": (["--epochs", "x"], ["--epochs=x", "int()"]),
+    "batch 0": (["--batch_size=0"], ["--batch_size=0", "positive integer"]),
+    "batch -8": (["--batch_size=-8"], ["--batch_size=-8", "positive integer"]),
+    "steps 0": (["--steps_per_epoch=0"], ["--steps_per_epoch=0", "positive integer"]),
+    "num_packs -1": (["--num_packs=-1"], ["--num_packs=-1", "non-negative integer"]),
+    "num_packs two": (["--num_packs=two"], ["--num_packs=two"]),
+    "cross_device_ops": (["--cross_device_ops=ring"], ["--cross_device_ops=ring", "<auto|autotune|nccl|"]),
+    "dataset": (["--dataset=cifar"], ["--dataset=cifar", "<auto|mnist|digits>"]),
+    "num_packs with collective": (["--cross_device_ops=collective", "--num_packs=2"],
+                                  ["num_packs=2", "['nccl', 'hierarchical']"]),
+    "gpus abc": (["--gpus=abc"], ["gpus='abc'", "'all' / 'auto'"]),
+    "gpus 0,0": (["--gpus=0,0"], ["gpus='0,0'", "twice"]),
+    "model_dir is a file": (["--model_dir={file}"], ["--model_dir='{file}'", "directory"]),
+    "positional": (["extra"], ["Unexpected arguments", "extra"]),
+}
+FLAGS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {examples!r})
+    import mnist_mlp
+    from absl import app, flags
+    from tf_nvlink.distribute import single_host
+
+    class ReachedTraining(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise ReachedTraining()
+
+    mnist_mlp.digits_data.load_mnist_or_fallback = stop  # main() loads the data right before training
+    out = {{}}
+    for name, argv in json.loads({cases!r}).items():
+        single_host._CURRENT.clear()  # a case that got as far as building a strategy must not block the next
+        flags.FLAGS.unparse_flags()
+        try:
+            rest = flags.FLAGS(["mnist_mlp.py", "--dataset=digits", "--model_dir={model_dir}"] + argv)
+            mnist_mlp.main(rest)
+            out[name] = "accepted (main() finished?!)"
+        except ReachedTraining:
+            out[name] = "accepted: reached training"
+        except (flags.Error, app.UsageError) as error:
+            out[name] = type(error).__name__ + ": " + str(error)
+    try:
+        mnist_mlp.replica_batch(7, 2)
+    except app.UsageError as error:
+        out["replica_batch 7 over 2"] = "UsageError: " + str(error)
+    print("FLAGS " + json.dumps(out))
+    """)
+
+
+@pytest.fixture(scope="module")
+def flag_results(tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("flags")
+    not_a_dir = scratch / "a_file"
+    not_a_dir.write_text("not a directory")
+    cases = {name: [arg.format(file=not_a_dir) for arg in argv] for name, (argv, _) in FLAG_CASES.items()}
+    code = FLAGS_SCRIPT.format(examples=EXAMPLES, cases=json.dumps(cases), model_dir=scratch / "model")
+    result = run_python(code, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("FLAGS ")]
+    assert result.returncode == 0 and lines, result.stdout + result.stderr[-3000:]
+    return json.loads(lines[-1][len("FLAGS "):]), not_a_dir
+
+
+@pytest.mark.parametrize("name", sorted(FLAG_CASES))
+def test_bad_example_flags(flag_results, name):
+    results, not_a_dir = flag_results
+    message = results[name]
+    assert message.startswith(("IllegalFlagValueError", "UsageError")), message
+    for needle in FLAG_CASES[name][1]:
+        assert needle.format(file=not_a_dir) in message, (needle, message)
+
+
+def test_global_batch_not_divisible_by_replicas_is_a_clear_error(flag_results):
+    message = flag_results[0]["replica_batch 7 over 2"]
+    assert "--batch_size=7 (the global batch) is not divisible by the 2 replicas" in message, message
+    assert "e.g. 6 or 8" in message, message
+
+
+# ---------------------------------------------------------------- no lost training: killed, rerun, resumed
+def _example_env(tmp_path):
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", TF_NVLINK_CACHE_DIR=str(tmp_path / "cache"))
+
+
+def _read_lines(stream, lines):
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
+@pytest.mark.slow  # 6 epochs, twice; test_killed_after_the_last_epoch_before_the_save_loses_nothing and
+# tests/training/test_callbacks.py cover the backup and the resume in seconds
+def test_sigkill_mid_training_then_rerun_resumes_at_the_right_epoch(tmp_path):
+    """The acceptance test: SIGKILL a real training process after epoch 2, rerun the same command."""
+    model_dir = tmp_path / "model"
+    command = [sys.executable, MNIST_MLP, "--dataset", "digits", "--epochs", "6", "--model_dir", str(model_dir)]
+    env = _example_env(tmp_path)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    seen, lines = [], queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # "Epoch 3/6" is printed once epochs 1-2 and their checkpoints and backup are written
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("no 'Epoch 3/6' within 120 s:\n" + "".join(seen))
+            assert line is not None, "training ended before epoch 3:\n" + "".join(seen)
+            seen.append(line)
+            if line.startswith("Epoch 3/6"):
+                break
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        reader.join(timeout=30)
+        process.stdout.close()
+    killed_output = "".join(seen)
+    assert "Epoch 6/6" not in killed_output and "test accuracy" not in killed_output, killed_output
+
+    metadata = json.loads((model_dir / "backup" / "training_metadata.json").read_text())
+    done = metadata["epoch"]  # 2, or more if epoch 3 finished between the line and the kill
+    assert 2 <= done < 6, metadata
+    checkpoints = sorted(p.name for p in (model_dir / "checkpoints").iterdir())
+    assert checkpoints[:done] == [f"epoch_{e:03d}.keras" for e in range(1, done + 1)], checkpoints
+    assert all(zipfile.is_zipfile(model_dir / "checkpoints" / name) for name in checkpoints if not name.startswith(
+        ".")), checkpoints  # whole files, never torn ones
+
+    resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = resumed.stdout
+    assert resumed.returncode == 0, out + resumed.stderr[-3000:]
+    assert f"found {model_dir}/backup: resuming the interrupted run at epoch {done + 1}/6" in out, out
+    epochs = [int(e) for e in re.findall(r"^Epoch (\d)/6$", out, re.M)]
+    assert epochs == list(range(done + 1, 7)) and epochs[0] != 1, out  # from where it stopped, to the end
+    assert re.search(r"^Epoch 6/6$", out, re.M), out
+    accuracy = float(re.search(r"^test accuracy: (\d\.\d{4})$", out, re.M).group(1))
+    assert accuracy >= 0.8, out
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == [
+        f"epoch_{e:03d}.keras" for e in range(1, 7)]
+    assert (model_dir / "model.keras").is_file() and not (model_dir / "backup").exists()
+
+
+def test_killed_after_the_last_epoch_before_the_save_loses_nothing(tmp_path):
+    """The backup outlives fit(): a kill before model.keras is written reruns into evaluate-and-save only."""
+    model_dir = tmp_path / "model"
+    flags = ["--dataset", "digits", "--epochs", "2", "--steps_per_epoch", "3", "--batch_size", "64",
+             "--model_dir", str(model_dir)]
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.argv = [{MNIST_MLP!r}] + {flags!r}
+        sys.path.insert(0, {EXAMPLES!r})
+        import mnist_mlp
+        from absl import app
+        mnist_mlp.evaluate_and_save = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        app.run(mnist_mlp.main)
+        """)
+    killed = run_python(code, env={"TF_NVLINK_CACHE_DIR": str(tmp_path / "cache")}, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and "Epoch 2/2" in killed.stdout, killed.stdout + killed.stderr
+    assert not (model_dir / "model.keras").exists() and (model_dir / "backup").is_dir()
+
+    rerun = run_python([MNIST_MLP, *flags], env={"TF_NVLINK_CACHE_DIR": str(tmp_path / "cache")}, timeout=120)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr[-3000:]
+    assert "resuming: all 2 epochs had finished; evaluating and saving" in rerun.stdout, rerun.stdout
+    assert not re.search(r"^Epoch ", rerun.stdout, re.M) and "test accuracy: " in rerun.stdout, rerun.stdout
+    assert (model_dir / "model.keras").is_file() and not (model_dir / "backup").exists()
+
+
+def test_benchmark_example_without_gpu_says_so_first(tmp_path):
+    """examples/benchmark.py with no flags on this GPU-less machine: the first lines say so; no failed rows."""
+    result = run_python([str(ROOT / "examples" / "benchmark.py"), "--steps", "2", "--candidates",
+                         "stock,nccl,hierarchical", "--json", str(tmp_path / "r.json")], timeout=300)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert lines[1].startswith("# no GPU here (") and "--cpu_devices 2" in lines[1], lines[:3]
+    assert "left out nccl, hierarchical (they need GPUs)" in lines[1]
+    assert "FAILED" not in result.stdout and "Traceback" not in result.stdout + result.stderr, result.stdout
+    assert [r["candidate"] for r in json.loads((tmp_path / "r.json").read_text())] == ["stock"]

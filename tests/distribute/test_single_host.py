@@ -5,11 +5,13 @@ its CPU devices); each test that needs another layout or another strategy runs i
 """
 
 import json
+import textwrap
 
 import numpy as np
 import pytest
 
-from conftest import N_LOGICAL_CPUS, run_python
+import fake_nvml
+from conftest import N_LOGICAL_CPUS, ROOT, run_python
 
 
 def _data(n=256, seed=0):
@@ -91,37 +93,60 @@ def test_evaluate_predict_save_and_load(trained):
     np.testing.assert_allclose(reloaded.predict(trained["x"][:37], verbose=0), predictions, rtol=1e-5, atol=1e-6)
 
 
-_EQUIVALENCE = r"""
-import json, os, sys
-import numpy as np, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-mode, jit = sys.argv[1], sys.argv[2] == "jit"
-rng = np.random.default_rng(0)
-x = rng.normal(size=(256, 8, 8, 1)).astype("float32"); y = rng.integers(0, 4, 256).astype("int32")
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"]) if mode == "plugin" else tf.distribute.get_strategy()
-with strategy.scope():
+_EQUIVALENCE_DATA_AND_FIT = r"""
+import numpy as np
+import keras
+
+
+def equivalence_fit(jit):  # trains under the current strategy scope; returns the losses and the weights
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8, 8, 1)).astype("float32"); y = rng.integers(0, 4, 256).astype("int32")
     keras.utils.set_random_seed(5)
     model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
                               keras.layers.Flatten(), keras.layers.Dense(4)])
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=jit)
-h = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
-print(json.dumps({"loss": h.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
-                  "jit": bool(model.jit_compile)}))
+    h = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    return {"loss": h.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
+            "jit": bool(model.jit_compile)}
+"""
+# Both modes under one tf_nvlink strategy of 2 logical CPUs, in one subprocess (two models, one strategy).
+_EQUIVALENCE_PLUGIN = r"""
+import json
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_nvlink
+""" + _EQUIVALENCE_DATA_AND_FIT + r"""
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+runs = {}
+for jit in (False, True):
+    with strategy.scope():
+        runs["xla" if jit else "no_xla"] = equivalence_fit(jit)
+print("EQUIVALENCE " + json.dumps(runs))
 """
 
 
-def _run_equivalence(mode, jit):
-    proc = run_python(["-c", _EQUIVALENCE, mode, "jit" if jit else "nojit"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def two_replica_runs():
+    proc = run_python(_EQUIVALENCE_PLUGIN, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("EQUIVALENCE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("EQUIVALENCE "):])
+
+
+def _single_device_run(tf, jit):
+    """The reference, in this process: the default strategy (no mirroring) on one device."""
+    namespace = {}
+    exec(_EQUIVALENCE_DATA_AND_FIT, namespace)
+    with tf.device("/cpu:0"):
+        return namespace["equivalence_fit"](jit)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["no_xla", "xla"])
-def test_two_replicas_match_single_device_training_with_the_same_global_batch(jit):
-    single, plugin = _run_equivalence("single", jit), _run_equivalence("plugin", jit)
+def test_two_replicas_match_single_device_training_with_the_same_global_batch(tf, two_replica_runs, jit):
+    assert not tf.distribute.has_strategy()
+    single, plugin = _single_device_run(tf, jit), two_replica_runs["xla" if jit else "no_xla"]
     assert plugin["jit"] == jit
     assert plugin["loss"][-1] < plugin["loss"][0]
     np.testing.assert_allclose(plugin["loss"], single["loss"], rtol=1e-4)
@@ -145,3 +170,236 @@ def test_without_nccl_kernels_the_plan_falls_back_and_says_so(tf):
     assert (degraded.cross_device_ops, degraded.num_packs, degraded.xla_allreduce) == ("reduce_to_one", None, "split")
     assert "no NCCL GPU kernels" in warning and "reduce_to_one instead of nccl" in warning
     assert degraded.reason.startswith("NCCL kernels missing") and degraded.gpus == plan.gpus
+
+
+# ---------------------------------------------------------------- what the strategy does on faked machines
+# single_host._build (and strategy()) on this GPU-less machine with a fake NVML topology and faked TensorFlow device
+# lists, all cases in one subprocess of 2 logical CPUs. Each case: the fake machine and its failing NVML calls, what
+# TensorFlow is made to see (tf_gpus, descs, no_cuda_build, no_nccl), the environment, the request.
+FAKED_MACHINES_SCRIPT = textwrap.dedent("""
+    import json, logging, os, sys
+    sys.path.insert(0, {tests!r})
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import pynvml, fake_nvml
+    from tensorflow.python.framework import kernels
+    from tf_nvlink import internals
+    from tf_nvlink.machine import nvml
+    from tf_nvlink.distribute import single_host
+
+    records = []
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                records.append(record.getMessage())
+    logging.getLogger("tf_nvlink").addHandler(Collect())
+
+    real_list_physical, real_list_logical = tf.config.list_physical_devices, tf.config.list_logical_devices
+    real_kernels, real_cuda = kernels.get_registered_kernels_for_op, tf.test.is_built_with_cuda
+    real_descs = internals.tf_gpu_descs
+    out = {{}}
+    for name, case in json.loads({cases!r}).items():
+        records.clear()
+        for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TF_CONFIG"):
+            os.environ.pop(key, None)
+        os.environ.update(case.get("env", {{}}))
+        machine = (fake_nvml.mixed_t4_a100() if case["machine"] == "mixed"
+                   else fake_nvml.MACHINES[case["machine"]]())
+        machine.failing_calls = {{call: getattr(pynvml, code) for call, code in case.get("failing", {{}}).items()}}
+        topology = nvml.probe(fake_nvml.FakeNvml(machine))
+        tf_gpus = case.get("tf_gpus", 0)
+        tf.config.list_physical_devices = lambda kind=None: (
+            [tf.config.PhysicalDevice(f"/physical_device:GPU:{{i}}", "GPU") for i in range(tf_gpus)]
+            if kind == "GPU" else real_list_physical(kind))
+        tf.config.list_logical_devices = lambda kind=None: (
+            real_list_logical("CPU")[:tf_gpus] if kind == "GPU" else real_list_logical(kind))
+        internals.tf_gpu_descs = (lambda: [tuple(d) for d in case["descs"]]) if "descs" in case else real_descs
+        tf.test.is_built_with_cuda = (lambda: False) if case.get("no_cuda_build") else real_cuda
+        kernels.get_registered_kernels_for_op = (
+            (lambda op: type("K", (), {{"kernel": []}})()) if case.get("no_nccl") else real_kernels)
+        try:
+            if case.get("call") == "strategy":
+                kwargs = dict(case["kwargs"])
+                if kwargs.get("topology") == "FAKE":
+                    kwargs["topology"] = topology
+                single_host.strategy(**kwargs)
+                result = {{"error": None}}
+            else:
+                built, plan = single_host._build(case.get("gpus", "all"), case.get("ops", "auto"), None,
+                                                case.get("devices"), topology, case.get("xla", "auto"))
+                result = {{"plan": plan.to_dict(), "summary": plan.summary(),
+                           "replicas": built.num_replicas_in_sync}}
+        except Exception as error:
+            result = {{"error": type(error).__name__ + ": " + str(error)}}
+        result["warnings"] = list(records)
+        out[name] = result
+    print("FAKED " + json.dumps(out))
+    """)
+# The degradations: one warning naming the cause and the fallback.
+TWO_CPUS = ["/cpu:0", "/cpu:1"]
+DEGRADE_CASES = {
+    # NVML lists 2 H200s, TensorFlow (no driver here) lists none: this machine with a fake topology.
+    "nvml sees GPUs, TensorFlow none": dict(machine="h200_x2"),
+    "CUDA_VISIBLE_DEVICES hides every GPU": dict(machine="h200_x2", env={"CUDA_VISIBLE_DEVICES": ""}),
+    "TensorFlow built without CUDA": dict(machine="h200_x2", no_cuda_build=True),
+    "no NVML, no GPU": dict(machine="no_driver"),
+    "TensorFlow sees GPUs, NVML none": dict(machine="no_driver", tf_gpus=2),
+    "NVML Unknown on every link": dict(machine="h200_x2", tf_gpus=2, devices=TWO_CPUS,
+                                       failing={"nvmlDeviceGetNvLinkVersion": "NVML_ERROR_UNKNOWN"}),
+    "NVML NotSupported on P2P": dict(machine="h200_x2", tf_gpus=2, devices=TWO_CPUS,
+                                     failing={"nvmlDeviceGetP2PStatus": "NVML_ERROR_NOT_SUPPORTED"}),
+    "no NCCL kernels, auto": dict(machine="h200_x2", tf_gpus=2, devices=TWO_CPUS, no_nccl=True),
+    "no NCCL kernels, nccl asked": dict(machine="h200_x2", tf_gpus=2, devices=TWO_CPUS, no_nccl=True, ops="nccl"),
+    "no NCCL kernels, one GPU": dict(machine="h200_x2", tf_gpus=2, devices=["/cpu:0"], no_nccl=True, gpus="0"),
+    "NCCL present": dict(machine="h200_x2", tf_gpus=2, devices=TWO_CPUS),
+    "devices as one string": dict(machine="no_driver", devices="/cpu:0"),
+    "devices empty": dict(machine="no_driver", devices=[]),
+    "devices not names": dict(machine="no_driver", devices=["/cpu:0", 1]),
+}
+MIG = "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"
+REQUEST_CASES = {  # the strategy's requests, honoured or refused
+    "mixed, CUDA_VISIBLE_DEVICES=0, gpus=all": dict(
+        machine="mixed", env={"CUDA_VISIBLE_DEVICES": "0"}, tf_gpus=1, descs=[fake_nvml.A100_AS_CUDA_0],
+        devices=["/cpu:0"]),
+    "mixed, CUDA_VISIBLE_DEVICES=0, gpus=[1]": dict(
+        machine="mixed", env={"CUDA_VISIBLE_DEVICES": "0"}, tf_gpus=1, descs=[fake_nvml.A100_AS_CUDA_0],
+        devices=["/cpu:0"], gpus=[1]),
+    "mixed, CUDA_VISIBLE_DEVICES=0, gpus=[0]": dict(
+        machine="mixed", env={"CUDA_VISIBLE_DEVICES": "0"}, tf_gpus=1, descs=[fake_nvml.A100_AS_CUDA_0],
+        devices=["/cpu:0"], gpus=[0]),
+    "MIG, gpus=all": dict(machine="h200_x2", env={"CUDA_VISIBLE_DEVICES": MIG}, tf_gpus=1),
+    "MIG, gpus=0": dict(machine="h200_x2", env={"CUDA_VISIBLE_DEVICES": MIG}, tf_gpus=1, gpus="0"),
+    "gpus=0, TensorFlow sees no GPU": dict(machine="h200_x2", gpus="0"),
+    "gpus=[0], no driver": dict(machine="no_driver", gpus=[0]),
+    "gpus=all, TensorFlow sees no GPU": dict(machine="h200_x2"),
+    "devices=[/gpu:9]": dict(machine="no_driver", devices=["/gpu:9"]),
+    "duplicate devices": dict(machine="no_driver", devices=["/cpu:0", "/device:CPU:0"]),
+    "topology='x'": dict(machine="no_driver", call="strategy", kwargs={"topology": "x"}),
+    "peer_timeout_s=-5": dict(machine="no_driver", call="strategy",
+                                    kwargs={"topology": "FAKE", "peer_timeout_s": -5}),
+}
+
+FAKED_MACHINE_CASES = {**DEGRADE_CASES, **REQUEST_CASES}
+
+
+@pytest.fixture(scope="module")
+def faked_machines(tmp_path_factory):
+    code = FAKED_MACHINES_SCRIPT.format(tests=str(ROOT / "tests"), cases=json.dumps(FAKED_MACHINE_CASES))
+    env = {"TF_NVLINK_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}  # no stored tune winner
+    result = run_python(code, env=env, timeout=180)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("FAKED ")]
+    assert result.returncode == 0 and lines, result.stdout + result.stderr[-3000:]
+    return json.loads(lines[-1][len("FAKED "):])
+
+
+def _one_warning(result, *needles):
+    assert len(result["warnings"]) == 1, result["warnings"]
+    for needle in needles:
+        assert needle in result["warnings"][0], (needle, result["warnings"][0])
+    return result["warnings"][0]
+
+
+def test_nvml_sees_gpus_tensorflow_none_falls_back_to_the_cpu(faked_machines):
+    result = faked_machines["nvml sees GPUs, TensorFlow none"]
+    line = _one_warning(result, "NVML sees 2 GPU(s) but TensorFlow sees none", "falling back to the CPU")
+    assert result["plan"]["gpus"] == [] and result["plan"]["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+    assert "CUDA_VISIBLE_DEVICES" not in line and "could not initialise CUDA" in line, line
+
+
+def test_cuda_visible_devices_hiding_every_gpu_is_named(faked_machines):
+    result = faked_machines["CUDA_VISIBLE_DEVICES hides every GPU"]
+    _one_warning(result, "TensorFlow sees none", "CUDA_VISIBLE_DEVICES", "falling back to the CPU")
+    assert result["plan"]["gpus"] == []
+
+
+def test_tensorflow_without_cuda_is_named(faked_machines):
+    result = faked_machines["TensorFlow built without CUDA"]
+    _one_warning(result, "built without CUDA", "tensorflow[and-cuda]", "falling back to the CPU")
+
+
+def test_no_nvml_and_no_gpu_warns_once(faked_machines):
+    result = faked_machines["no NVML, no GPU"]
+    assert result["plan"]["gpus"] == [] and result["plan"]["cross_device_ops"] == "reduce_to_one"
+    _one_warning(result, "no NVIDIA driver / NVML", "Driver Not Loaded", "falls back to the CPU")
+
+
+def test_tensorflow_sees_gpus_nvml_none_uses_tensorflows_default(faked_machines):
+    result = faked_machines["TensorFlow sees GPUs, NVML none"]
+    _one_warning(result, "TensorFlow sees 2 GPU(s) but NVML does not", "no NVIDIA driver / NVML",
+                 "TensorFlow's default all-reduce")
+    assert result["plan"]["cross_device_ops"] == "collective" and result["replicas"] == 2
+
+
+def test_nvml_unknown_errors_are_one_warning_line(faked_machines):
+    result = faked_machines["NVML Unknown on every link"]
+    assert result["plan"]["gpus"] == [0, 1] and result["replicas"] == 2  # planned with what NVML did answer
+    _one_warning(result, "NVLink 0 version failed: Unknown Error", "and 35 more NVML warnings", "tf-nvlink report")
+
+
+def test_nvml_not_supported_is_silent(faked_machines):
+    result = faked_machines["NVML NotSupported on P2P"]
+    assert result["warnings"] == [] and result["plan"]["cross_device_ops"] == "nccl"
+
+
+def test_nccl_kernels_missing_falls_back_to_a_non_nccl_choice(faked_machines):
+    for name in ("no NCCL kernels, auto", "no NCCL kernels, nccl asked"):
+        result = faked_machines[name]
+        _one_warning(result, "no NCCL GPU kernels", "reduce_to_one instead of nccl", "split")
+        plan = result["plan"]
+        assert (plan["cross_device_ops"], plan["num_packs"], plan["xla_allreduce"]) == ("reduce_to_one", None, "split")
+        assert plan["reason"].startswith("NCCL kernels missing") and result["replicas"] == 2
+    present = faked_machines["NCCL present"]
+    assert present["warnings"] == [] and present["plan"]["cross_device_ops"] == "nccl"
+
+
+def test_nccl_kernels_missing_is_not_mentioned_where_nccl_is_not_used(faked_machines):
+    result = faked_machines["no NCCL kernels, one GPU"]
+    assert result["plan"]["cross_device_ops"] == "reduce_to_one" and result["plan"]["xla_allreduce"] == "split"
+    assert result["warnings"] == []
+
+
+@pytest.mark.parametrize("name", ["devices as one string", "devices empty", "devices not names"])
+def test_bad_devices_argument(faked_machines, name):
+    error = faked_machines[name].get("error", "")
+    devices = FAKED_MACHINE_CASES[name]["devices"]
+    assert error.startswith("ValueError: ") and f"devices={devices!r}" in error and "['/gpu:0', '/gpu:1']" in error
+
+
+def test_strategy_maps_mixed_gpu_models_by_pci(faked_machines):
+    assert faked_machines["mixed, CUDA_VISIBLE_DEVICES=0, gpus=all"]["plan"]["gpus"] == [1]
+    assert faked_machines["mixed, CUDA_VISIBLE_DEVICES=0, gpus=[1]"]["plan"]["gpus"] == [1]
+    error = faked_machines["mixed, CUDA_VISIBLE_DEVICES=0, gpus=[0]"]["error"]
+    assert error.startswith("ValueError") and "valid GPU indices are [1]" in error, error
+
+
+def test_strategy_uses_a_mig_instance_and_says_so(faked_machines):
+    result = faked_machines["MIG, gpus=all"]
+    assert result["replicas"] == 1 and result["plan"]["devices"] == ["/device:CPU:0"]  # the faked MIG device
+    assert "MIG" in result["plan"]["reason"] and "no NVLink plan" in result["summary"], result["summary"]
+    assert len(result["warnings"]) == 1 and MIG in result["warnings"][0] and "no NVLink" in result["warnings"][0]
+    error = faked_machines["MIG, gpus=0"]["error"]
+    assert error.startswith("ValueError") and "MIG" in error and "gpus='all'" in error, error
+
+
+def test_strategy_explicit_gpus_raise_all_falls_back_to_the_cpu(faked_machines):
+    error = faked_machines["gpus=0, TensorFlow sees no GPU"]["error"]
+    assert error.startswith("ValueError") and "TensorFlow sees none" in error and "gpus='0'" in error, error
+    error = faked_machines["gpus=[0], no driver"]["error"]
+    assert error.startswith("ValueError") and "Driver Not Loaded" in error, error
+    fallback = faked_machines["gpus=all, TensorFlow sees no GPU"]
+    assert fallback["plan"]["gpus"] == [] and len(fallback["warnings"]) == 1
+    assert "falling back to the CPU" in fallback["warnings"][0]
+
+
+@pytest.mark.parametrize("name, needles", [
+    ("devices=[/gpu:9]", ["'/gpu:9'", "does not have", "Received: devices=['/gpu:9']"]),
+    ("duplicate devices", ["twice", "Received: devices="]),
+    ("topology='x'", ["Topology", "Received: topology='x'"]),
+    ("peer_timeout_s=-5", ["positive number", "Received: peer_timeout_s=-5"]),
+])
+def test_strategy_arguments_validated_up_front(faked_machines, name, needles):
+    error = faked_machines[name]["error"]
+    assert error and error.startswith("ValueError: "), error
+    for needle in needles:
+        assert needle in error, (needle, error)

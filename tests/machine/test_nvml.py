@@ -1,12 +1,14 @@
 """tf_nvlink.machine.nvml.probe against every fake machine (exact topology), NVML error handling, and the real pynvml."""
 
+import sys
+
 import pynvml
 import pytest
 
 import fake_nvml
 from fake_nvml import FakeNvml
 from tf_nvlink.machine import nvml
-from tf_nvlink.machine.topology import PcieRelation, RemoteType
+from tf_nvlink.machine.topology import PcieRelation, RemoteType, Topology
 
 
 def _rows(*rows):
@@ -297,3 +299,96 @@ def test_real_pynvml_on_this_machine_does_not_raise():
     assert topo.error and "no NVIDIA driver / NVML" in topo.error
     assert topo.gpus == () and topo.pairs == ()
     assert topo.kind() == "none" and topo.nvlink_groups() == ()
+
+
+# ---------------------------------------------------------------- any NVML failure: one warning line, a stated fallback
+def machine_of(name, **changes):
+    machine = fake_nvml.MACHINES[name]()
+    for key, value in changes.items():
+        setattr(machine, key, value)
+    return machine
+
+
+def topo_of(name, **changes):
+    return nvml.probe(FakeNvml(machine_of(name, **changes)))
+
+
+NVML_CALLS = {  # every call the probe makes -> the words its warning uses
+    "nvmlInit": "nvmlInit failed", "nvmlSystemGetDriverVersion": "driver version",
+    "nvmlSystemGetNVMLVersion": "NVML version", "nvmlDeviceGetCount": "device count",
+    "nvmlDeviceGetHandleByIndex": "handle", "nvmlDeviceGetPciInfo": "PCI info", "nvmlDeviceGetName": "name",
+    "nvmlDeviceGetUUID": "UUID", "nvmlDeviceGetCudaComputeCapability": "compute capability",
+    "nvmlDeviceGetMemoryInfo": "memory", "nvmlDeviceGetNvLinkState": "state",
+    "nvmlDeviceGetNvLinkVersion": "version", "nvmlDeviceGetNvLinkRemoteDeviceType": "remote type",
+    "nvmlDeviceGetNvLinkRemotePciInfo": "remote PCI", "nvmlDeviceGetP2PStatus": "P2P status",
+    "nvmlDeviceGetTopologyCommonAncestor": "PCIe topology", "nvmlShutdown": None,
+}
+# Calls without which a GPU (or all of them) cannot be used: even NotSupported must be said.
+LOSES_GPUS = {"nvmlInit", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetPciInfo"}
+ERRORS = {"NotSupported": pynvml.NVML_ERROR_NOT_SUPPORTED, "Unknown": pynvml.NVML_ERROR_UNKNOWN,
+          "GpuIsLost": pynvml.NVML_ERROR_GPU_IS_LOST, "NoPermission": pynvml.NVML_ERROR_NO_PERMISSION}
+
+
+# NVLink traffic calls (issue 17), not the probe's: nvml.NvLinkCounterReader's (its failures are tested in
+# tests/training/test_nvlink_monitor.py) and the old utilization counter it does not use. The fake answers them;
+# the table above is the probe's.
+COUNTER_CALLS = {"nvmlDeviceGetMigMode", "nvmlDeviceGetFieldValues", "nvmlDeviceGetNvLinkUtilizationCounter"}
+
+
+def test_nvml_call_table_is_complete():
+    assert set(NVML_CALLS) | {"nvmlDeviceGetNvLinkCapability"} == {
+        name for name in dir(FakeNvml) if name.startswith("nvml")} - COUNTER_CALLS
+    assert not COUNTER_CALLS & set(NVML_CALLS)
+
+
+@pytest.mark.parametrize("machine", ["h200_x2", "dgx1_v100_x8", "pcie_x4"])
+@pytest.mark.parametrize("error", sorted(ERRORS))
+@pytest.mark.parametrize("call", sorted(NVML_CALLS))
+def test_any_nvml_call_failing_never_breaks_the_probe(machine, call, error):
+    fake = FakeNvml(machine_of(machine, failing_calls={call: ERRORS[error]}))
+    topo = nvml.probe(fake)  # never raises
+    assert fake.init_calls == (0 if call == "nvmlInit" else 1)
+    assert fake.shutdown_calls == (0 if call in ("nvmlInit", "nvmlShutdown") else 1)  # paired whenever possible
+    said = " ".join((topo.error or "",) + topo.warnings)
+    if call in LOSES_GPUS:  # every GPU is lost this way: said, with the fallback
+        assert topo.gpus == () and NVML_CALLS[call] in said, said
+        assert "left out" in said or "no GPU listed" in said or "falls back to the CPU" in said, said
+    elif error != "NotSupported" and NVML_CALLS[call] and call in fake.calls:
+        assert NVML_CALLS[call] in said, said  # a real failure is reported, naming the call
+        assert len(topo.gpus) == len(fake.machine.gpus)  # and costs only that fact
+    if topo.warnings:
+        line = nvml.warnings_line(topo.warnings)
+        assert "\n" not in line and line.startswith(topo.warnings[0])
+        if len(topo.warnings) > 1:
+            assert f"and {len(topo.warnings) - 1} more NVML warning" in line
+
+
+def test_nvml_init_raising_oserror_is_a_plain_error():
+    fake = FakeNvml(fake_nvml.h200_x2())
+
+    def broken():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    fake.nvmlInit = broken
+    topo = nvml.probe(fake)
+    assert topo.gpus == () and "cannot load NVML" in topo.error and "falls back to the CPU" in topo.error
+
+
+def test_pynvml_not_installed_is_a_plain_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    topo = nvml.probe()
+    assert topo.gpus == () and "pip install nvidia-ml-py" in topo.error and "falls back to the CPU" in topo.error
+
+
+def test_real_nvml_library_missing_on_this_machine():
+    topo = nvml.probe()
+    if topo.gpus:
+        pytest.skip(f"this machine has {len(topo.gpus)} NVIDIA GPU(s)")
+    assert topo.error.startswith("no NVIDIA driver / NVML: ") and "falls back to the CPU" in topo.error
+    assert "\n" not in topo.error
+
+
+def test_topology_error_stays_one_line():
+    """The no-NVML message is used as a log line: no newline in it whatever NVML said."""
+    topo = topo_of("no_driver", init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    assert isinstance(topo, Topology) and "\n" not in topo.error

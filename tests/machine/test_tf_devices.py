@@ -2,10 +2,12 @@
 
 import pytest
 
+import fake_nvml
 from fake_nvml import FakeNvml, h100_hgx_x8, h200_x2
 from tf_nvlink.machine import tf_devices
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine.topology import PciBusId
+from tf_nvlink.plan import policy
 
 # device_lib's physical_device_desc on the lent 2x H200 machine (../shared/hardware-facts.md)
 H200_DESC = "device: 0, name: NVIDIA H200, pci bus id: 0000:00:06.0, compute capability: 9.0a"
@@ -106,3 +108,32 @@ def test_tf_device_for_hidden_gpu_raises_clear_error(h200, monkeypatch):
     message = str(info.value)
     assert "GPU(s) [0]" in message and "not visible to TensorFlow" in message
     assert "Choose among [1]" in message and "CUDA_VISIBLE_DEVICES='1'" in message
+
+
+# ---------------------------------------------------------------- mixed GPU models, MIG
+A100_AS_CUDA_0 = fake_nvml.A100_AS_CUDA_0
+
+
+def test_mixed_gpu_models_map_by_pci_both_ways():
+    topo = nvml.probe(FakeNvml(fake_nvml.mixed_t4_a100()))
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    assert tf_devices.visible_needs_tensorflow(topo, env)
+    assert not tf_devices.visible_needs_tensorflow(topo, dict(env, CUDA_DEVICE_ORDER="PCI_BUS_ID"))
+    assert not tf_devices.visible_needs_tensorflow(topo, {})  # unset: every GPU, order decided by PCI mapping
+    assert not tf_devices.visible_needs_tensorflow(nvml.probe(FakeNvml(h200_x2())), env)  # one model: the orders agree
+    mapped = tf_devices.map_tf_gpus(topo, [A100_AS_CUDA_0])
+    visible = tf_devices.visible_from_tensorflow(mapped)
+    assert visible == [1]
+    plan = policy.make_plan(topo, "all", visible=visible)
+    assert plan.gpus == (1,) and tf_devices.tf_device_for(plan.gpus, mapped) == ["/gpu:0"]
+    assert policy.make_plan(topo, [1], visible=visible).gpus == (1,)  # the advice below works
+    with pytest.raises(ValueError, match=r"valid GPU indices are \[1\]"):
+        policy.make_plan(topo, [0], visible=visible)
+    with pytest.raises(ValueError, match=r"Choose among \[1\]"):
+        tf_devices.tf_device_for([0], mapped)
+
+
+def test_mig_entries_of_cuda_visible_devices():
+    assert tf_devices.mig_entries({"CUDA_VISIBLE_DEVICES": "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"}) == [
+        "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"]
+    assert tf_devices.mig_entries({"CUDA_VISIBLE_DEVICES": "0,1"}) == [] == tf_devices.mig_entries({})

@@ -1,11 +1,13 @@
 """tf_nvlink.plan.policy: what the policy chooses on every fake machine, and how it refuses bad requests."""
 
 import itertools
+import dataclasses
 
 import pytest
 
 import fake_nvml
 from fake_nvml import FakeNvml
+from error_messages import raises_naming
 from tf_nvlink.machine import nvml
 
 from tf_nvlink.plan import policy
@@ -14,7 +16,7 @@ from tf_nvlink.plan import gpu_request
 ALL8 = tuple(range(8))
 
 # What the current rules choose: (machine, gpus) -> (GPUs, cross_device_ops, num_packs).
-# Edit this table when the rules change (BUILD_NOTES.md records why they are what they are).
+# Edit this table when the rules change (docs/results.md records the measurements behind them).
 CHOICES = {
     ("h200_x2", "all"): ((0, 1), "nccl", 1),
     ("h200_x2", "auto"): ((0, 1), "nccl", 1),
@@ -168,3 +170,130 @@ def test_bad_num_packs_raises(num_packs):
 def test_num_packs_with_unpacked_ops_raises():
     with pytest.raises(ValueError, match=r"num_packs applies to cross_device_ops in \['nccl', 'hierarchical'\]"):
         policy.make_plan(topo_of("h200_x2"), "all", "reduce_to_one", num_packs=2)
+
+
+# ---------------------------------------------------------------- bad requests refused, one line naming them
+H200 = "h200_x2"
+GPUS_CASES = [  # (gpus, what the message must contain besides the value: the valid choices)
+    ("0,0", "[0, 1]"), ("7", "[0, 1]"), ("-1", "[0, 1]"), (-1, "[0, 1]"), ("abc", "[0, 1]"), ("", "'all', 'auto'"),
+    ([], "[0, 1]"), ([0, "x"], "[0, 1]"), ("0,,1", "[0, 1]"), ([0, 1.0], "[0, 1]"), (None, "'all', 'auto'"),
+    (1.5, "'all', 'auto'"), (True, "'all', 'auto'"),
+]
+
+
+@pytest.mark.parametrize("gpus, choices", GPUS_CASES, ids=[repr(c[0]) for c in GPUS_CASES])
+def test_bad_gpus_on_a_two_gpu_machine(gpus, choices):
+    raises_naming(lambda: policy.make_plan(topo_of(H200), gpus), f"gpus={gpus!r}", choices)
+
+
+@pytest.mark.parametrize("gpus", ["0,0", "-1", "abc", "", [], [0, "x"], None, 1.5],
+                         ids=lambda v: repr(v))
+def test_bad_gpus_without_any_gpu_are_still_refused(gpus):
+    """A malformed request fails on a laptop too, not first on the GPU machine (well-formed ones name the reason)."""
+    raises_naming(lambda: policy.make_plan(topo_of("no_driver"), gpus), f"gpus={gpus!r}")
+    assert policy.make_plan(topo_of("no_driver"), "all").gpus == ()  # "all" falls back to the CPU
+    # (well-formed indices raise without a usable GPU: test_explicit_gpus_without_a_usable_gpu_raise_all_and_auto_fall_back)
+
+
+OPS_CASES = ["NCCL", "ring", "", None, "hierarchical_copy", 42]
+
+
+@pytest.mark.parametrize("ops", OPS_CASES, ids=repr)
+def test_unknown_cross_device_ops(ops):
+    message = raises_naming(lambda: policy.make_plan(topo_of(H200), "all", ops), f"cross_device_ops={ops!r}")
+    assert all(repr(choice) in message for choice in policy.OPS_CHOICES), message
+
+
+@pytest.mark.parametrize("num_packs", [-1, -100, 1.5, "2", True, [1]], ids=repr)
+def test_bad_num_packs(num_packs):
+    raises_naming(lambda: policy.make_plan(topo_of(H200), "all", "nccl", num_packs=num_packs),
+                   f"num_packs={num_packs!r}", "non-negative integer", "None")
+
+
+POLICY_INPUTS = [  # (id, call, needles)
+    ("num_packs with unpacked ops", lambda: policy.make_plan(topo_of(H200), "all", "collective", num_packs=2),
+     ("num_packs=2", "['nccl', 'hierarchical']")),
+    ("hierarchical on 3 GPUs", lambda: policy.make_plan(topo_of("h100_hgx_x8"), "0,1,2", "hierarchical"),
+     ("'hierarchical' with 3 GPUs", "'nccl'")),
+    ("nccl without GPUs", lambda: policy.make_plan(topo_of("no_driver"), "all", "nccl"),
+     ("cross_device_ops='nccl'", "'reduce_to_one'")),
+    ("xla_allreduce", lambda: policy.make_plan(topo_of(H200), "all", "auto", xla_allreduce="fast"),
+     ("xla_allreduce='fast'", "['auto', 'fused', 'split']")),
+    ("fused without GPUs", lambda: policy.make_plan(topo_of("no_driver"), "all", "auto", xla_allreduce="fused"),
+     ("xla_allreduce='fused'", "'split'")),
+    ("hidden GPU", lambda: policy.make_plan(topo_of(H200), "0", visible=[1]),
+     ("GPU 0", "CUDA_VISIBLE_DEVICES", "[1]")),
+]
+
+
+@pytest.mark.parametrize("call, needles", [c[1:] for c in POLICY_INPUTS], ids=[c[0] for c in POLICY_INPUTS])
+def test_other_bad_plan_requests(call, needles):
+    raises_naming(call, *needles)
+
+
+# ---------------------------------------------------------------- hierarchical only on real NVLink quads
+DGX1 = "dgx1_v100_x8"
+QUADS_FIRST = [0, 1, 2, 3, 4, 5, 6, 7]  # DGX-1: quads 0-3 and 4-7, i <-> i+4 linked
+
+
+@pytest.mark.parametrize("request_kind, gpus, visible", [
+    ("gpus interleaved", "0,4,1,5,2,6,3,7", None),
+    ("gpus reversed", [7, 6, 5, 4, 3, 2, 1, 0], None),
+    ("CUDA_VISIBLE_DEVICES interleaved, gpus=all", "all", [0, 4, 1, 5, 2, 6, 3, 7]),
+    ("CUDA_VISIBLE_DEVICES shuffled, gpus=auto", "auto", [3, 6, 0, 5, 7, 1, 4, 2]),
+    ("hierarchical asked, interleaved", "0,4,1,5,2,6,3,7", None),
+])
+def test_hierarchical_halves_are_the_nvlink_quads_whatever_the_request_order(request_kind, gpus, visible):
+    topo = topo_of(DGX1)
+    ops = "hierarchical" if "asked" in request_kind else "auto"
+    plan = policy.make_plan(topo, gpus, ops, visible=visible)
+    assert plan.cross_device_ops == "hierarchical"
+    first, second = plan.gpus[:4], plan.gpus[4:]
+    for half in (first, second):  # each half (what HierarchicalCopyAllReduce reduces within) is a quad
+        assert all(topo.pair(a, b).direct_links for a in half for b in half if a < b), plan.gpus
+    for k in range(4):  # position k copies to position k + 4: a direct link
+        assert topo.pair(first[k], second[k]).direct_links, plan.gpus
+    assert sorted(plan.gpus) == QUADS_FIRST
+
+
+def test_summary_of_a_plan_on_unmapped_gpus_names_the_tensorflow_devices():
+    plan = policy.make_plan(topo_of("h200_x2"), "all", visible=[])
+    on_mig = dataclasses.replace(plan, devices=("/device:GPU:0",), reason="MIG instance(s) ['MIG-x']")
+    assert "TensorFlow devices ['/device:GPU:0']" in on_mig.summary() and "CPU" not in on_mig.summary()
+
+
+@pytest.mark.parametrize("machine, gpus, needle", [
+    ("no_driver", "0", "Driver Not Loaded"), ("no_driver", [0], "Driver Not Loaded"), ("no_driver", 0, "NVML"),
+    ("h200_x2", "0,1", "CUDA_VISIBLE_DEVICES hides every GPU"),
+])
+def test_explicit_gpus_without_a_usable_gpu_raise_all_and_auto_fall_back(machine, gpus, needle):
+    visible = [] if machine == "h200_x2" else None
+    with pytest.raises(ValueError) as info:
+        policy.make_plan(topo_of(machine), gpus, visible=visible)
+    message = str(info.value)
+    assert f"gpus={gpus!r}" in message and needle in message and "'all' or 'auto'" in message, message
+    for fallback in ("all", "auto"):  # only these fall back to the CPU
+        assert policy.make_plan(topo_of(machine), fallback, visible=visible).gpus == ()
+
+
+def test_no_gpu_reason_given_by_the_caller_is_named():
+    with pytest.raises(ValueError, match="built without CUDA"):
+        policy.make_plan(topo_of("h200_x2"), "0", visible=[], no_gpu_reason="TensorFlow is built without CUDA")
+
+
+def test_decide_plans_mig_and_names_why_explicit_gpus_cannot_be_honoured():
+    """policy.decide, the pure function strategy() and the report call: the MIG plan and the no-GPU reasons."""
+    mig = "MIG-4f1c0e2a-aaaa-bbbb-cccc-000000000000"
+    on_mig = policy.Facts(topo_of("h200_x2"), visible=(), tf_gpu_count=1, mig=(mig,))
+    plan, warnings = policy.decide(on_mig, "all")
+    assert plan.gpus == () and plan.cross_device_ops == "reduce_to_one" and "no NVLink plan" in plan.reason
+    assert len(warnings) == 1 and mig in warnings[0] and "no NVLink" in warnings[0], warnings
+    assert policy.decide(dataclasses.replace(on_mig, tf_gpu_count=2), "auto")[0].cross_device_ops == "collective"
+    with pytest.raises(ValueError, match=r"gpus='0' names GPUs.*MIG instance.*gpus='all' mirrors over them"):
+        policy.decide(on_mig, "0")
+    tf_sees_none = policy.Facts(topo_of("h200_x2"), visible=(0, 1), tf_gpu_count=0,
+                                no_gpu_cause="this TensorFlow is built without CUDA")
+    with pytest.raises(ValueError, match=r"gpus=\[0\].*TensorFlow sees none: this TensorFlow is built without CUDA"):
+        policy.decide(tf_sees_none, [0])
+    plan, warnings = policy.decide(tf_sees_none, "all")
+    assert plan.gpus == () and len(warnings) == 1 and "falling back to the CPU" in warnings[0]

@@ -194,7 +194,7 @@ print(json.dumps({"diff": diff, "kernel_dtypes": sorted({d for d, shape in reduc
 """
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "split_xla"])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["nojit", "split_xla"])
 def test_bfloat16_allreduce_trains_close_to_float32_and_really_reduces_bfloat16(jit):
     """2 CPU replicas, 12 SGD steps against one device on the same global batches. float32: equal to rounding
     (< 1e-6); bfloat16 (8-bit mantissa, ~0.4% per sum): within 2e-3 of it, and visibly not float32 (> 1e-5)."""

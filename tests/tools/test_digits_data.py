@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import run_python
+from error_messages import raises_naming
 from tf_nvlink.tools import digits_data
 
 
@@ -132,3 +133,17 @@ def test_import_and_digits_do_not_import_tensorflow():
 def test_digits_file_is_packaged():
     assert digits_data.DIGITS_PATH.is_file()
     assert digits_data.DIGITS_PATH.name == "digits.csv.gz" and digits_data.DIGITS_PATH.parent.name == "data"
+
+
+BAD_ARGUMENTS = [  # (id, call, needles)
+    ("dataset name", lambda: digits_data.load_mnist_or_fallback("cifar10"),
+     ("name='cifar10'", "['auto', 'mnist', 'digits']")),
+    ("dataset timeout", lambda: digits_data.load_mnist_or_fallback("auto", timeout=-1),
+     ("timeout=-1", "positive number")),
+    ("test fraction", lambda: digits_data.load_digits(test_fraction=1.5), ("test_fraction=1.5", "between 0 and 1")),
+]
+
+
+@pytest.mark.parametrize("call, needles", [c[1:] for c in BAD_ARGUMENTS], ids=[c[0] for c in BAD_ARGUMENTS])
+def test_bad_arguments_name_the_value_and_the_choices(call, needles):
+    raises_naming(call, *needles)

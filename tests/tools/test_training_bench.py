@@ -80,7 +80,7 @@ def test_workers_candidate_needs_two_gpus_without_cpu_workers(monkeypatch):
         training_bench.worker_layout()
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["nojit", "jit"])
 def test_workers_candidate_trains_on_two_cpu_workers_in_lockstep(jit):
     """Two MultiWorkerMirroredStrategy processes on localhost, started and reaped together. With XLA the
     gradients are compiled per worker and all-reduced outside XLA ("split"): XLA's own all-reduce cannot span
@@ -178,6 +178,7 @@ def test_rounds_report_the_median_round_and_the_spread():
     assert training_bench.combine_rounds(rounds[:1]) == rounds[0]
 
 
+@pytest.mark.slow  # two rounds of real runs; combine_rounds is tested above without training
 def test_two_interleaved_rounds_on_cpu_with_the_steady_state_split(capsys):
     records = training_bench.run_candidates("convnet", ["1gpu", "auto"], steps=2, jit=False, cpu_devices=2,
                                             rounds=2, timeout=240, warmup_steps=1, long_steps=12)
@@ -259,7 +260,7 @@ def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
 
 @pytest.mark.parametrize("model, candidates", [
     ("mlp", ["1gpu@nocudagraphs", "auto@bf16grad"]),
-    ("transformer_tiny", ["auto", "auto@ondevice"]),
+    pytest.param("transformer_tiny", ["auto", "auto@ondevice"], marks=pytest.mark.slow),  # trains longest
 ])
 def test_bench_workers_train_on_two_cpu_replicas(model, candidates, tmp_path):
     profile = str(tmp_path / "profile") if model == "mlp" else ""

@@ -268,6 +268,7 @@ class TestStoredChoice:
 
 
 # ------------------------------------------------------------------------------------ one real CPU run
+@pytest.mark.slow  # real worker processes; the tests above cover tune with a fake spawn
 def test_tune_end_to_end_on_cpu(cache):
     """`tf-nvlink tune` over 2 logical CPU devices, tiny sizes: two worker processes, a winner stored."""
     parser = argparse.ArgumentParser()
@@ -329,3 +330,47 @@ def test_list_with_a_folder_at_the_cache_path_warns_and_names_it(cache, caplog):
     assert "(0 entries)" in listing.getvalue() or "no" in listing.getvalue().lower()
     assert [str(path) in r.getMessage() and "not a regular file" in r.getMessage() for r in warnings_of(caplog)] \
         == [True]
+
+
+# ---------------------------------------------------------------- no measurement lost to an unusable cache
+def fake_measure(calls, before_return=None):
+    """runner.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
+    def measure(candidates, target, sizes, **_):
+        calls.append(list(sizes))
+        if before_return:
+            before_return()
+        output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
+                  "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
+        return runner.to_records(output, specs.parse_candidate("reduce_to_one"), target), []
+    return measure
+
+
+BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", "1K", "--iters", "1"]
+
+
+def test_main_refuses_an_unusable_cache_before_measuring(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    calls = []
+    monkeypatch.setattr(runner, "measure", fake_measure(calls))
+    with pytest.raises(SystemExit) as info:
+        tune.main(BENCH_ARGS)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and calls == [], err
+    assert "cannot be written" in err and "TF_NVLINK_CACHE_DIR" in err and "Traceback" not in err, err
+
+
+def test_main_prints_the_result_when_storing_it_fails(tmp_path, monkeypatch, capsys):
+    import shutil
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TF_NVLINK_CACHE_DIR", str(cache))
+
+    def break_the_cache():  # the folder becomes a file while measuring
+        shutil.rmtree(cache)
+        cache.write_text("not a folder")
+    calls = []
+    monkeypatch.setattr(runner, "measure", fake_measure(calls, before_return=break_the_cache))
+    code = tune.main(BENCH_ARGS)
+    out, err = capsys.readouterr()
+    assert code == 1 and calls == [[1024]]
+    assert "winner reduce_to_one" in out and "could not store the winner" in err and "Traceback" not in err, err

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-
+import scenarios
 from conftest import FUSED_CPU_EMULATION, run_python
 
 _PRELUDE = r"""
@@ -50,8 +50,10 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert "Trying to access resource" in proc.stderr and "replica_1" in proc.stderr
 
 
-def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work():
-    proc, out = _run("""
+# The cases that share one tf_nvlink strategy on 2 logical CPUs, in one process (scenarios.py); each restores what
+# it patches. "fit, evaluate, predict" comes first: it counts the strategy's per-replica predict functions.
+_SHARED_CASES = {}
+_SHARED_CASES["fit, evaluate, predict"] = """
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 with strategy.scope():
     model = build(); compile_(model)
@@ -59,51 +61,103 @@ history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
 loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
 predictions = model.predict(x[:10], batch_size=4, verbose=0)
 compiled = list(base.runner_of(strategy).per_replica_functions.values())  # predict's jit function, copied per replica
-print(json.dumps({"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
-                  "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce,
-                  "predict_copies": len(compiled)}))
-""")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+result = {"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
+          "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce, "predict_copies": len(compiled)}
+"""
+_SHARED_CASES["a step per replica"] = """
+made = []
+original_init = install.PerReplicaXlaStep.__init__
+def spy(self, *args, **kwargs):
+    original_init(self, *args, **kwargs); made.append(self)
+install.PerReplicaXlaStep.__init__ = spy
+try:
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = build(); compile_(model)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=32, verbose=0)
+finally:
+    install.PerReplicaXlaStep.__init__ = original_init
+result = [{"kind": s.kind, "replicas": sorted(s._compiled),
+           "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]
+"""
+_SHARED_CASES["auto jit"] = """
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build(); compile_(model, jit="auto")
+on_cpu = bool(model.jit_compile)
+real_list_logical = tf.config.list_logical_devices
+tf.config.list_logical_devices = lambda kind=None: ["fake GPU"] if kind == "GPU" else []
+try:
+    with strategy.scope():
+        model2 = build(); compile_(model2, jit="auto")
+finally:
+    tf.config.list_logical_devices = real_list_logical
+result = {"cpu_only": on_cpu, "with_gpu": bool(model2.jit_compile)}
+"""
+_SHARED_CASES["one distributed iterator"] = """
+from tensorflow.python.distribute import input_lib
+made = []
+original_iter = input_lib.DistributedDataset.__iter__
+def counting_iter(self):
+    made.append(1)
+    return original_iter(self)
+input_lib.DistributedDataset.__iter__ = counting_iter
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.flatten, self.dense = keras.layers.Flatten(), keras.layers.Dense(4)
+    def call(self, inputs):
+        return self.dense(self.flatten(inputs))
+counts, losses = {}, {}
+try:
+    for name, make in (("functional", build), ("subclassed", Subclassed)):
+        with strategy.scope():
+            model = make(); compile_(model, jit=False)
+        # repeated, with steps: Keras also makes a look-ahead iterator after the last batch of a finite dataset
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+        for call in ("fit1", "fit2", "evaluate"):
+            made.clear()
+            if call == "evaluate":
+                model.evaluate(ds, steps=4, verbose=0)
+            else:
+                losses[name + call] = model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0).history["loss"][0]
+            counts[name + "_" + call] = len(made)
+finally:
+    input_lib.DistributedDataset.__iter__ = original_iter
+result = {"counts": counts, "losses": losses}
+"""
+_SHARED_CASES["train_step without the optimizer"] = """
+class NoOptimizer(keras.Sequential):
+    def train_step(self, data):
+        x, y = data
+        return {"loss": tf.reduce_mean(self(x))}
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    keras.utils.set_random_seed(5)
+    model = NoOptimizer([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]); compile_(model)
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+"""
+SHARED = scenarios.Scenario("install: one strategy on 2 CPUs", _PRELUDE, _SHARED_CASES)
+
+
+def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work():
+    out = SHARED.result("fit, evaluate, predict")
     assert out["jit"] and out["mode"] == "split"  # CPU replicas: fused all-reduce needs GPUs
     assert out["loss"][-1] < out["loss"][0]
     assert out["pred_shape"] == [10, 4] and out["predict_copies"] == 1
 
 
 def test_each_replica_gets_its_own_xla_compiled_step():
-    proc, out = _run("""
-made = []
-original_init = install.PerReplicaXlaStep.__init__
-def spy(self, *args, **kwargs):
-    original_init(self, *args, **kwargs); made.append(self)
-install.PerReplicaXlaStep.__init__ = spy
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    model = build(); compile_(model)
-model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-model.evaluate(x, y, batch_size=32, verbose=0)
-report = [{"kind": s.kind, "replicas": sorted(s._compiled),
-           "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]
-print(json.dumps(report))
-""")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = SHARED.result("a step per replica")
     assert [s["kind"] for s in out] == ["train", "test"]
     for step in out:
         assert step["replicas"] == [0, 1] and step["xla"] == [True, True]
 
 
 def test_auto_jit_compile_follows_keras_rule_under_the_plugin():
-    proc, out = _run("""
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    model = build(); compile_(model, jit="auto")
-on_cpu = bool(model.jit_compile)
-tf.config.list_logical_devices = lambda kind=None: ["fake GPU"] if kind == "GPU" else []
-with strategy.scope():
-    model2 = build(); compile_(model2, jit="auto")
-print(json.dumps({"cpu_only": on_cpu, "with_gpu": bool(model2.jit_compile)}))
-""")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out == {"cpu_only": False, "with_gpu": True}
+    assert SHARED.result("auto jit") == {"cpu_only": False, "with_gpu": True}
 
 
 def test_unsupported_keras_fails_loudly():
@@ -120,18 +174,7 @@ model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
 def test_train_step_without_optimizer_call_gets_a_clear_error():
-    proc, _ = _run("""
-class NoOptimizer(keras.Sequential):
-    def train_step(self, data):
-        x, y = data
-        return {"loss": tf.reduce_mean(self(x))}
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    keras.utils.set_random_seed(5)
-    model = NoOptimizer([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]); compile_(model)
-model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-""")
-    assert proc.returncode != 0 and "optimizer.apply_gradients" in proc.stderr
+    assert "optimizer.apply_gradients" in SHARED.error("train_step without the optimizer")
 
 
 def test_keras_internals_the_hook_relies_on():
@@ -163,7 +206,7 @@ def test_keras_internals_the_hook_relies_on():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.losses import loss as loss_module
     from keras.src.trainers import compile_utils
-    scale = inspect.getsource(install._STATE.originals.get("loss_module.scale_loss_for_distribution",
+    scale = inspect.getsource(internals._STATE.originals.get("loss_module.scale_loss_for_distribution",
                                                            loss_module.scale_loss_for_distribution))
     assert "1.0 / num_replicas" in scale
     assert "scale_loss_for_distribution(loss)" in inspect.getsource(loss_module.reduce_values)
@@ -186,37 +229,7 @@ def test_fit_makes_one_distributed_iterator_once_the_model_is_built():
     symbolic build that builds nothing once the model is built (about 100 ms of MultiDeviceIterator tracing per
     call on a CPU). Under tf_nvlink only the first call (model not built yet) makes it; later calls make the one
     iterator they train or evaluate with. Subclassed models, built by that first call, train the same."""
-    proc, out = _run("""
-from tensorflow.python.distribute import input_lib
-made = []
-original_iter = input_lib.DistributedDataset.__iter__
-def counting_iter(self):
-    made.append(1)
-    return original_iter(self)
-input_lib.DistributedDataset.__iter__ = counting_iter
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-class Subclassed(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.flatten, self.dense = keras.layers.Flatten(), keras.layers.Dense(4)
-    def call(self, inputs):
-        return self.dense(self.flatten(inputs))
-counts, losses = {}, {}
-for name, make in (("functional", build), ("subclassed", Subclassed)):
-    with strategy.scope():
-        model = make(); compile_(model, jit=False)
-    # repeated, with steps: Keras also makes a look-ahead iterator after the last batch of a finite dataset
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
-    for call in ("fit1", "fit2", "evaluate"):
-        made.clear()
-        if call == "evaluate":
-            model.evaluate(ds, steps=4, verbose=0)
-        else:
-            losses[name + call] = model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0).history["loss"][0]
-        counts[name + "_" + call] = len(made)
-print(json.dumps({"counts": counts, "losses": losses}))
-""")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = SHARED.result("one distributed iterator")
     for name in ("functional", "subclassed"):
         assert out["counts"][f"{name}_fit1"] == 2, out  # Keras' symbolic build, then the epoch
         assert out["counts"][f"{name}_fit2"] == 1 and out["counts"][f"{name}_evaluate"] == 1, out

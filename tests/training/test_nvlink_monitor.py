@@ -443,6 +443,7 @@ def test_fit_without_usable_counters_says_why_in_one_line_and_adds_no_keys(fits,
                             "nvlink_gbps": None, "nvlink_unavailable": run["unavailable"]}
 
 
+@pytest.mark.slow  # the example end to end; the fit test above checks the figures
 def test_mnist_mlp_monitor_nvlink_flag_shows_the_figures_in_each_epoch_line(tmp_path):
     from test_examples import _with_cpu_replicas
 

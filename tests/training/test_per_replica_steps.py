@@ -126,7 +126,8 @@ def _assert_matches_single_device(multi, single, rtol=2e-3, atol=2e-4):
     np.testing.assert_allclose(multi["loss"], single["loss"], rtol=rtol)
 
 
-@pytest.mark.parametrize("mode, run", [("split", "float32"), ("split", "float32-eager"), ("fused", "float32")])
+@pytest.mark.parametrize("mode, run", [  # split float32 trains longest: the eager and fused runs cover the step
+    pytest.param("split", "float32", marks=pytest.mark.slow), ("split", "float32-eager"), ("fused", "float32")])
 def test_custom_loop_with_jit_step_matches_single_device(mode, run):
     """The optimizer is built in the first step (as Keras does in a custom loop): tf_nvlink builds it outside the
     per-replica step, eagerly. Built inside it, fused mode failed ("You must feed a value for placeholder tensor
@@ -251,7 +252,7 @@ print(json.dumps({"loss": history.history["loss"], "evaluate": evaluation, "pred
 """
 
 
-@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("mode", [pytest.param("split", marks=pytest.mark.slow), "fused"])  # split: as fused
 def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_execution_match_single_device(mode):
     """A subclassed model with its own train_step, steps_per_execution=3 (4 steps per epoch: executions of 3 and
     1), then evaluate and predict: under tf_nvlink with XLA each equals single-device Keras. Fused mode runs the
@@ -299,7 +300,8 @@ print(json.dumps({"loss": history.history["loss"], "dynamic_scale": copies(optim
 """
 
 
-@pytest.mark.parametrize("mode", ["no_xla", "split", "fused"])
+@pytest.mark.parametrize("mode", [pytest.param("no_xla", marks=pytest.mark.slow),  # fused: the per-replica loss scale
+                                  pytest.param("split", marks=pytest.mark.slow), "fused"])
 def test_mixed_precision_fit_skips_overflowing_steps_on_every_replica(mode):
     """model.fit with LossScaleOptimizer(initial_scale=2**20) under mixed_float16, the data of the custom-loop test
     above: the same 5 of 12 steps skipped as on one device, the same weights. Keras' own update (fit without XLA,

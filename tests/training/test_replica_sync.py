@@ -102,7 +102,7 @@ def _check_agreement(out, synchronized=False):
     assert out["predict_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["plain", "split", "fused"])
+@pytest.mark.parametrize("mode", ["plain", pytest.param("split", marks=pytest.mark.slow), "fused"])
 def test_replicas_agree_on_batch_norm_statistics_after_fit(mode):
     proc, out = _run(mode)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -112,6 +112,7 @@ def test_replicas_agree_on_batch_norm_statistics_after_fit(mode):
     _check_agreement(out)
 
 
+@pytest.mark.slow  # the control run: the synchronized runs above are the behaviour
 def test_without_the_sync_replicas_drift_apart():
     """The switch off (TF_NVLINK_SYNC_NON_TRAINABLE=0) gives stock MirroredStrategy's behaviour on these shards."""
     proc, out = _run("plain", env={"TF_NVLINK_SYNC_NON_TRAINABLE": "0"})

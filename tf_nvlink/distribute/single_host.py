@@ -120,7 +120,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             all-reduce and back after it (half the bytes on the link; the sum is rounded to bfloat16's 8-bit
             mantissa). Applies to Keras optimizers in `fit` (fused, split and without XLA).
         input_buffer: batches `experimental_distribute_dataset` (Keras `fit`) prefetches to each replica's
-            device when no `InputOptions` are given (None: 2 on GPUs, TensorFlow's defaults on CPUs).
+            device when no `InputOptions` are given (None: 1 on GPUs, TensorFlow's own depth; TensorFlow's
+            default options on CPUs).
         autotune_choice: what measures the candidates for cross_device_ops="autotune" (`tf_nvlink.strategy()`
             passes `tf_nvlink.tools.tune.autotune_choice`); without it, "autotune" raises ValueError.
 

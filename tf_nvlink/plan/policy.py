@@ -1,6 +1,6 @@
 """Topology and requested GPUs in, a `Plan` (devices, cross-device ops, packs, reason) out. Pure: no TensorFlow.
 
-The rules are grounded in measurements recorded in BUILD_NOTES.md ("Policy rules and the figures behind them").
+The rules are grounded in the measurements of docs/results.md ("What the policy chooses, and the evidence").
 Two pure parts live beside it and are re-exported here: `gpu_request` (a `gpus` request resolved to NVML indices)
 and `cube_mesh` (the DGX-1 wiring HierarchicalCopyAllReduce needs, and the replica order for it).
 
@@ -185,8 +185,8 @@ def _choose_ops(topology: Topology, chosen: tuple[int, ...], shape: str, request
         link = "through NVSwitch" if shape == "nvswitch" else "by direct NVLink"
         return ("nccl", packs,
                 f"all {n} GPUs reach each other {link}: NCCL all-reduce of the gradients packed into {packs} "
-                f"buffer(s), one launch per step instead of one per tensor (2x H200: 176 vs 142 GB/s for "
-                f"TensorFlow's default at 256 MiB, ResNet-50 5332 vs 5005 img/s; BUILD_NOTES.md)")
+                f"buffer(s), one launch per step instead of one per tensor (2x H200: 197-204 vs 170 GB/s "
+                f"for TensorFlow's default at 256 MiB, ResNet-50 5332 vs 5005 img/s in split mode; docs/results.md)")
     quads_first = cube_mesh_order(topology, chosen) if shape == "nvlink-partial" else None
     if quads_first is not None:
         return ("hierarchical", packs, f"8 GPUs in a DGX-1 hybrid cube-mesh: HierarchicalCopyAllReduce was built "

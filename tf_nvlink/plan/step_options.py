@@ -44,7 +44,7 @@ XLA_FLAGS_CHOICES = ("auto", "none")
 ALLREDUCE_DTYPES = ("float32", "bfloat16")
 # Batches prefetched to each GPU by `experimental_distribute_dataset`: TensorFlow's default, 1. Deeper was slower on
 # 2x H200 (ResNet-50 host-fed, one process, 3 rounds: scaling 0.85 with 1 against 0.82 with 2, 0.86 vs 0.88 with 4;
-# BUILD_NOTES). `strategy(input_buffer=N)` still sets another depth.
+# docs/results.md). `strategy(input_buffer=N)` still sets another depth.
 GPU_INPUT_BUFFER = 1
 # What `strategy()` and `decide` take when the caller asks for nothing: (xla_flags, allreduce_dtype, input_buffer).
 DEFAULT_REQUEST = ("auto", "float32", None)

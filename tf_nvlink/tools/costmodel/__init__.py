@@ -8,7 +8,7 @@ the interconnect.
 
 `compute` is one GPU's measured step at the same per-GPU batch. busbw is nccl-tests' bus bandwidth: for a ring it
 is the slowest hop's bandwidth, whatever N (on a shared PCIe root complex it falls as 1/N, see `LinkModel`).
-Every default below is a 2x H200 measurement (BUILD_NOTES.md, shared hardware facts) or a public link rate scaled
+Every default below is a 2x H200 measurement (docs/results.md, shared hardware facts) or a public link rate scaled
 by the efficiency measured on H200; each says which. Pure Python: no TensorFlow, no NVML.
 
 Modules: `model` (the formulas, `Workload`, `LinkModel`, the measured `LINKS`), `links` (the link model for a

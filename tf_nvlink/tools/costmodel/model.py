@@ -17,7 +17,7 @@ NCCL_HOP_NVLINK_US = 3.4
 NCCL_HOP_PCIE_US = 5.7
 
 # TensorFlow adds about 230 us to every all-reduce over raw NCCL on 2x H200 (nccl:1 against PyTorch's NCCL at
-# 1 MiB and 16 MiB, BUILD_NOTES "All-reduce through tf.distribute").
+# 1 MiB and 16 MiB, docs/results.md "All-reduce bandwidth through tf.distribute").
 TF_ALLREDUCE_OVERHEAD_US = 230.0
 
 # NVLink/NVSwitch busbw that TensorFlow's all-reduce reaches, as a fraction of the raw per-GPU NVLink rate:

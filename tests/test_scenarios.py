@@ -1,0 +1,43 @@
+"""tests/scenarios.py, the shared scenario processes: answers per case, each failure with its own traceback."""
+
+import pytest
+
+import scenarios
+
+PLAIN = scenarios.Scenario("plain python", prelude="import os\nbase = 21\n", cases={
+    "doubles": "result = {'value': base * 2, 'pid': os.getpid()}",
+    "raises": "raise ValueError('this case is broken')",
+    "after a failure": "result = {'value': base, 'pid': os.getpid()}",
+    "isolated": "base = 0\nresult = base",
+    "sees the prelude again": "result = base",
+})
+
+
+def test_each_case_answers_from_one_process():
+    doubled, later = PLAIN.result("doubles"), PLAIN.result("after a failure")
+    assert doubled["value"] == 42 and later["value"] == 21 and doubled["pid"] == later["pid"]
+
+
+def test_a_raising_case_fails_its_own_test_with_its_traceback():
+    error = PLAIN.error("raises")
+    assert "ValueError: this case is broken" in error and '"<case raises>"' in error, error
+    with pytest.raises(pytest.fail.Exception, match="case 'raises' raised:(.|\n)*this case is broken"):
+        PLAIN.result("raises")
+    with pytest.raises(pytest.fail.Exception, match="did not raise"):
+        PLAIN.error("doubles")
+
+
+def test_a_case_changing_a_prelude_name_does_not_change_it_for_the_next():
+    assert PLAIN.result("isolated") == 0 and PLAIN.result("sees the prelude again") == 21
+
+
+def test_an_unknown_case_is_named():
+    with pytest.raises(AssertionError, match="no case 'nope' in scenario 'plain python'"):
+        PLAIN.result("nope")
+
+
+def test_a_crashing_process_fails_every_case_with_its_output():
+    crashing = scenarios.Scenario("crashing", prelude="import sys\nprint('prelude ran')\nsys.exit(3)\n",
+                                  cases={"any": "result = 1"})
+    with pytest.raises(pytest.fail.Exception, match="exited with 3(.|\n)*prelude ran"):
+        crashing.result("any")

@@ -1,0 +1,116 @@
+"""tf_nvlink.training.callbacks.AtomicBackupAndRestore: the backup is consistent at every instant a kill can hit
+the save, and a torn or hand-edited backup is refused naming the file (one subprocess: it trains)."""
+
+import json
+import textwrap
+
+from conftest import ROOT, run_python
+
+EXAMPLES = str(ROOT / "examples")
+# The backup at every instant a kill can hit it: the interrupted save's temporary files are left behind (as a
+# real kill leaves them), and a fresh process must resume from a consistent (epoch, weights) pair.
+BACKUP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    sys.path.insert(0, {examples!r})
+    import keras, mnist_mlp
+    from tf_nvlink.training import callbacks
+
+    from tf_nvlink.tools.training_bench import models
+    from tf_nvlink.tools import tune
+    from tf_nvlink.plan import tune_cache
+    backup = {backup!r}
+    x = np.random.default_rng(0).random((64, 784)).astype("float32")
+    y = np.arange(64) % 10
+
+    def model():
+        m = models.compiled_mnist_mlp()
+        m.build((None, 784))
+        return m
+
+    def weights(m):
+        return [w.copy() for w in m.get_weights()]
+
+    class Killed(BaseException):
+        pass
+
+    def resume():
+        fresh, callback = model(), callbacks.AtomicBackupAndRestore(backup)
+        callback.set_model(fresh)
+        callback.on_train_begin()
+        return fresh
+
+    first = model()
+    first.fit(x, y, epochs=1, verbose=0, callbacks=[callbacks.AtomicBackupAndRestore(backup)])
+    after_1 = weights(first)
+    first.fit(x, y, epochs=1, verbose=0)  # epoch 2's weights, not yet backed up
+    after_2 = weights(first)
+    out = {{}}
+    for point in ["weights rename", "metadata rename", None]:  # the n-th os.replace of the save is killed
+        real_replace, calls = os.replace, []
+        def replace(src, dst, point=point):
+            calls.append(dst)
+            step = {{"weights rename": 1, "metadata rename": 2}}.get(point)
+            if len(calls) == step:
+                with open(src, "wb") as torn:  # a kill leaves the half-written temporary behind
+                    torn.write(b"torn")
+                raise Killed()
+            return real_replace(src, dst)
+        tune_cache.os.replace = replace
+        callback = callbacks.AtomicBackupAndRestore(backup)
+        callback.set_model(first)
+        callback._current_epoch = 2
+        unlink = os.unlink
+        os.unlink = lambda path: None  # a killed process cleans nothing up
+        try:
+            callback._save_model()
+        except Killed:
+            pass
+        finally:
+            tune_cache.os.replace, os.unlink = real_replace, unlink
+        resumed = resume()
+        got = weights(resumed)
+        out[str(point)] = {{
+            "epoch": resumed._initial_epoch,
+            "weights_of": [e for e, w in ((1, after_1), (2, after_2))
+                           if all(np.array_equal(a, b) for a, b in zip(got, w))],
+            "files": sorted(os.listdir(backup)),
+        }}
+    with open(os.path.join(backup, "training_metadata.json"), "w") as f:
+        f.write('{{"epoch": 2, "batch": 0, "weig')  # what Keras' own callback leaves after a kill mid-write
+    try:
+        callbacks.read_backup(backup)
+        out["torn"] = "read?!"
+    except ValueError as error:
+        out["torn"] = str(error)
+    for text in ['{{"epoch": NaN, "weights": "epoch_0002.weights.h5"}}',
+                 '{{"epoch": 1, "epoch": 2, "weights": "epoch_0002.weights.h5"}}',
+                 '{{"epoch": 2, "weights": "../../etc/passwd"}}', '{{"epoch": -1}}', '[2]']:
+        with open(os.path.join(backup, "training_metadata.json"), "w") as f:
+            f.write(text)
+        try:
+            callbacks.read_backup(backup)
+            out[text] = "read?!"
+        except ValueError as error:
+            out[text] = str(error)
+    print("BACKUP " + json.dumps(out))
+    """)
+
+
+def test_backup_is_consistent_whenever_the_save_is_killed(tmp_path):
+    backup = tmp_path / "backup"
+    result = run_python(BACKUP_SCRIPT.format(examples=EXAMPLES, backup=str(backup)), timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("BACKUP ")]
+    assert result.returncode == 0 and lines, result.stdout + result.stderr[-3000:]
+    out = json.loads(lines[-1][len("BACKUP "):])
+    # Killed before either rename: epoch 1 and epoch 1's weights, whatever debris the kill left.
+    assert out["weights rename"]["epoch"] == 1 and out["weights rename"]["weights_of"] == [1], out
+    assert out["metadata rename"]["epoch"] == 1 and out["metadata rename"]["weights_of"] == [1], out
+    assert "epoch_0002.weights.h5" in out["metadata rename"]["files"]  # renamed, but not yet the backup
+    # The save that completes: epoch 2, its weights, and the debris of the killed saves is gone.
+    assert out["None"]["epoch"] == 2 and out["None"]["weights_of"] == [2], out
+    assert out["None"]["files"] == ["epoch_0002.weights.h5", "training_metadata.json"], out
+    metadata = str(backup / "training_metadata.json")
+    for key, message in out.items():
+        if key not in ("weights rename", "metadata rename", "None"):
+            assert message.startswith(f"{metadata} cannot be resumed from: ") and "Delete" in message, (key, message)
