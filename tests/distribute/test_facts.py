@@ -4,7 +4,7 @@ import types
 
 import fake_nvml
 from fake_nvml import FakeNvml
-from test_reliability_round2 import A100_AS_CUDA_0, mixed_t4_a100
+from fake_nvml import A100_AS_CUDA_0, mixed_t4_a100
 from tf_nvlink import internals
 from tf_nvlink.distribute import facts
 from tf_nvlink.machine import nvml

@@ -3,6 +3,7 @@ GPU-less machine can run."""
 
 import pytest
 
+from tf_nvlink.tools.training_bench import candidates
 from tf_nvlink.tools.training_bench import cli as training_bench
 
 
@@ -17,16 +18,15 @@ TRACEBACK = ('Traceback (most recent call last):\n  File "/x/training_bench.py",
     ("worker timed out after 900 s", "worker timed out after 900 s"),
     ("", "(no message)"),
 ])
-def test_item11_no_traceback_text_in_tables(error, expected):
+def test_error_lines_and_tables_carry_no_traceback_text(error, expected):
     line = training_bench.error_line(error)
     assert line.startswith(expected[:60]) and "Traceback" not in line and "\n" not in line and len(line) <= 150
     table = training_bench.render_table([{"candidate": "nccl", "error": error}])
     assert "Traceback" not in table and 'File "' not in table
 
 
-def test_item11_cpu_candidates_leave_out_what_needs_gpus():
-    kept, dropped = training_bench.cpu_candidates(
-        ["1gpu", "stock", "auto", "collective", "nccl", "reduce_to_one", "hierarchical", "auto@nop2p", "auto@fused",
-         "auto@split"])
-    assert kept == ["1gpu", "stock", "auto", "collective", "reduce_to_one", "auto@split"]
-    assert dropped == ["nccl", "hierarchical", "auto@nop2p", "auto@fused"]
+def test_cpu_candidates_leave_out_what_needs_gpus():
+    kept, dropped = training_bench.cpu_candidates(candidates.parse_list(
+        "1gpu,stock,auto,collective,nccl,reduce_to_one,hierarchical,auto@nop2p,auto@fused,auto@split"))
+    assert [c.label for c in kept] == ["1gpu", "stock", "auto", "collective", "reduce_to_one", "auto@split"]
+    assert [c.label for c in dropped] == ["nccl", "hierarchical", "auto@nop2p", "auto@fused"]

@@ -84,7 +84,8 @@ def _train(settings: dict, initial_weights, jit_compile, strategy=None):
     if settings.get("save_and_load"):  # save, load under the same strategy, train on
         with tempfile.TemporaryDirectory() as folder:
             path = f"{folder}/model.keras"
-            model.save(path)
+            with atomic_files.atomic_path(path, suffix=".keras") as partial:
+                model.save(partial)
             with scope():
                 model = keras.saving.load_model(path)
         history = fit()

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Optional
 
+from tf_nvlink.util import atomic_files
 from tf_nvlink.util.atomic_files import write_atomic
 
 # The step's parts, in the order the table and the chart show them (key in a breakdown dict, label).
@@ -81,7 +82,8 @@ def write_chart(report: dict, path: str) -> Optional[str]:
     axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path, dpi=100)
+    with atomic_files.atomic_path(path, suffix=".png") as partial:
+        figure.savefig(partial, dpi=100)
     plt.close(figure)
     return path
 
