@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-\nfrom tf_nvlink.util import atomic_files
+
+from tf_nvlink.util import atomic_files
 
 # name -> fit settings. On 2 replicas the last batches split 1 + 0, 2 + 1, 17 + 16; 5 and 7 are global batches
 # that are not a multiple of 2 (or 4) replicas.
