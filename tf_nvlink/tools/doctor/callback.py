@@ -18,7 +18,7 @@ At the end of the window's epoch it reads the trace, sets `model.history.step_do
 prints the table, writes step_doctor.json and step_doctor.png (with matplotlib) to `output_dir`, and TensorBoard
 scalars when a keras.callbacks.TensorBoard is in the callback list. Without a profiler, GPU trace or counters it
 says why in one line and training goes on.
-`import tf_nvlink.tools.doctor.callback` imports neither TensorFlow nor Keras; `StepDoctor` imports Keras.
+This module imports Keras; `tf_nvlink.StepDoctor` imports it on first use, so `import tf_nvlink` stays light.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import os
 import tempfile
 import time
 from typing import Any, Optional, Sequence
+
+import keras
 
 from tf_nvlink.machine import nvml as nvml_module
 from tf_nvlink.machine.nvlink_traffic import gradient_bytes, per_gpu_bytes, traffic_delta, unreadable_reasons
@@ -74,203 +76,187 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
                        link=link, machine_kind=kind, xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
-def _make_callback_class():
-    import keras  # noqa: PLC0415 - Keras only when the callback is used
+class StepDoctor(keras.callbacks.Callback):
+    """Profiles `window_steps` training steps after `warmup_steps`, and reports per replica where the step
+    time goes (compute, exposed and hidden all-reduce, input copies, GPU idle, each fit call's fixed cost),
+    the NVLink bytes per step, a verdict (host-, input-, link- or compute-bound) with the one or two changes
+    predicted to help most, scaling on 2/4/8 GPUs and what NVLink buys.
 
-    class StepDoctor(keras.callbacks.Callback):
-        """Profiles `window_steps` training steps after `warmup_steps`, and reports per replica where the step
-        time goes (compute, exposed and hidden all-reduce, input copies, GPU idle, each fit call's fixed cost),
-        the NVLink bytes per step, a verdict (host-, input-, link- or compute-bound) with the one or two changes
-        predicted to help most, scaling on 2/4/8 GPUs and what NVLink buys.
+    Args:
+        warmup_steps: training steps before the window (over all fits; compile and warm-up come first).
+        window_steps: steps profiled.
+        output_dir: where step_doctor.json, step_doctor.png and the trace (profile/) go; default: a new
+            temporary folder (`self.output_dir`).
+        global_batch: samples per step over all replicas, for the predicted samples/s (0: not shown).
+        gpus: NVML indices of the replicas' GPUs (default: the tf_nvlink plan's).
+        log_dir: TensorBoard log_dir (default: that of a keras.callbacks.TensorBoard in the same list).
+        replica_overhead_ms: per-step cost of each extra replica in the scaling predictions.
+        verbose: print the table when the report is ready.
+        nvml: a pynvml stand-in (tests).
 
-        Args:
-            warmup_steps: training steps before the window (over all fits; compile and warm-up come first).
-            window_steps: steps profiled.
-            output_dir: where step_doctor.json, step_doctor.png and the trace (profile/) go; default: a new
-                temporary folder (`self.output_dir`).
-            global_batch: samples per step over all replicas, for the predicted samples/s (0: not shown).
-            gpus: NVML indices of the replicas' GPUs (default: the tf_nvlink plan's).
-            log_dir: TensorBoard log_dir (default: that of a keras.callbacks.TensorBoard in the same list).
-            replica_overhead_ms: per-step cost of each extra replica in the scaling predictions.
-            verbose: print the table when the report is ready.
-            nvml: a pynvml stand-in (tests).
+    After the window: `report` (the dict, also `model.history.step_doctor`), `unavailable`
+    (why there is no breakdown, or None), `overhead_s` (seconds spent in the doctor's hooks).
 
-        After the window: `report` (the dict, also `model.history.step_doctor`), `unavailable`
-        (why there is no breakdown, or None), `overhead_s` (seconds spent in the doctor's hooks).
+    Example:
+        >>> doctor = tf_nvlink.StepDoctor(warmup_steps=20, window_steps=10, global_batch=256)
+        >>> model.fit(data, epochs=1, steps_per_epoch=2000, callbacks=[doctor])
+        >>> doctor.report["verdict"]["kind"]
+        'host-bound'
+    """
 
-        Example:
-            >>> doctor = tf_nvlink.StepDoctor(warmup_steps=20, window_steps=10, global_batch=256)
-            >>> model.fit(data, epochs=1, steps_per_epoch=2000, callbacks=[doctor])
-            >>> doctor.report["verdict"]["kind"]
-            'host-bound'
-        """
+    def __init__(self, warmup_steps: int = 20, window_steps: int = 10, output_dir: Optional[str] = None,
+                 global_batch: int = 0, gpus: Optional[Sequence[int]] = None, log_dir: Optional[str] = None,
+                 replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS, verbose: bool = True,
+                 nvml: Any = None):
+        super().__init__()
+        self.warmup_steps = _positive_int("warmup_steps", warmup_steps)
+        self.window_steps = _positive_int("window_steps", window_steps)
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 0:
+            raise ValueError(f"global_batch should be a non-negative integer. Received: {global_batch!r}")
+        self.output_dir = output_dir or tempfile.mkdtemp(prefix="step_doctor_")
+        self.global_batch, self.gpus, self.log_dir = global_batch, gpus, log_dir
+        self.replica_overhead_ms, self.verbose, self.nvml = replica_overhead_ms, verbose, nvml
+        self.report: Optional[dict] = None
+        self.unavailable: Optional[str] = None
+        self.overhead_s = 0.0
+        self.files: dict[str, str] = {}
+        self._host_steps = 0  # training steps launched so far, over every fit (counted on the host)
+        self._window: Optional[dict] = None  # while profiling: start time, step, calls, counters
+        self._finished: Optional[dict] = None  # the closed window, until its epoch ends
+        self._done = False
 
-        def __init__(self, warmup_steps: int = 20, window_steps: int = 10, output_dir: Optional[str] = None,
-                     global_batch: int = 0, gpus: Optional[Sequence[int]] = None, log_dir: Optional[str] = None,
-                     replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS, verbose: bool = True,
-                     nvml: Any = None):
-            super().__init__()
-            self.warmup_steps = _positive_int("warmup_steps", warmup_steps)
-            self.window_steps = _positive_int("window_steps", window_steps)
-            if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 0:
-                raise ValueError(f"global_batch should be a non-negative integer. Received: {global_batch!r}")
-            self.output_dir = output_dir or tempfile.mkdtemp(prefix="step_doctor_")
-            self.global_batch, self.gpus, self.log_dir = global_batch, gpus, log_dir
-            self.replica_overhead_ms, self.verbose, self.nvml = replica_overhead_ms, verbose, nvml
-            self.report: Optional[dict] = None
-            self.unavailable: Optional[str] = None
-            self.overhead_s = 0.0
-            self.files: dict[str, str] = {}
-            self._host_steps = 0  # training steps launched so far, over every fit (counted on the host)
-            self._window: Optional[dict] = None  # while profiling: start time, step, calls, counters
-            self._finished: Optional[dict] = None  # the closed window, until its epoch ends
-            self._done = False
+    @property
+    def profile_dir(self) -> str:
+        return os.path.join(self.output_dir, "profile")
 
-        @property
-        def profile_dir(self) -> str:
-            return os.path.join(self.output_dir, "profile")
+    # -- the fit call --------------------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow only once the callback runs
 
-        # -- the fit call --------------------------------------------------------------------------------------
-        def on_train_begin(self, logs=None):
-            from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow only once the callback runs
+        self._fit_began, self._first_batch_seen = time.perf_counter(), False
+        self._tensorboard_dir = self.log_dir or internals.tensorboard_log_dir_beside(self)
 
-            self._fit_began, self._first_batch_seen = time.perf_counter(), False
-            self._tensorboard_dir = self.log_dir or internals.tensorboard_log_dir_beside(self)
+    def on_train_batch_begin(self, batch, logs=None):
+        entered = time.perf_counter()
+        if not self._first_batch_seen:
+            self._first_batch_seen = True
+            self._before_first_batch_ms = (entered - self._fit_began) * 1e3
+        steps = self._host_steps
+        self._host_steps += int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if self._window is not None:
+            if steps - self._window["first_host_step"] >= self.window_steps:
+                self._close_window()
+            else:
+                self._window["calls"] += 1
+        elif not self._done and steps >= self.warmup_steps:
+            self._open_window(steps)
+        self.overhead_s += time.perf_counter() - entered
 
-        def on_train_batch_begin(self, batch, logs=None):
-            entered = time.perf_counter()
-            if not self._first_batch_seen:
-                self._first_batch_seen = True
-                self._before_first_batch_ms = (entered - self._fit_began) * 1e3
-            steps = self._host_steps
-            self._host_steps += int(getattr(self.model, "steps_per_execution", 1) or 1)
-            if self._window is not None:
-                if steps - self._window["first_host_step"] >= self.window_steps:
-                    self._close_window()
-                else:
-                    self._window["calls"] += 1
-            elif not self._done and steps >= self.warmup_steps:
-                self._open_window(steps)
-            self.overhead_s += time.perf_counter() - entered
+    def _device_step(self) -> int:
+        """Waits for the device to finish the steps already launched; returns the optimizer's step count."""
+        return int(self.model.optimizer.iterations.numpy())
 
-        def _device_step(self) -> int:
-            """Waits for the device to finish the steps already launched; returns the optimizer's step count."""
-            return int(self.model.optimizer.iterations.numpy())
+    def _open_window(self, host_step: int) -> None:
+        import tensorflow as tf  # noqa: PLC0415
 
-        def _open_window(self, host_step: int) -> None:
-            import tensorflow as tf  # noqa: PLC0415
-
-            self._done = True  # one window per callback
-            first = self._device_step()
-            reader, counters = self._open_counters()
-            try:
-                tf.profiler.experimental.start(self.profile_dir)
-            except Exception as exc:  # noqa: BLE001 - any profiler failure: say why, train on
-                self._say_unavailable(f"TensorFlow's profiler did not start: {exc}")
-                if reader is not None:
-                    reader.close()
-                return
-            self._window = {"first_host_step": host_step, "first_step": first, "began": time.perf_counter(),
-                            "calls": 1, "reader": reader, "counters": counters}
-
-        def _open_counters(self):
-            """(reader, first read) for the replicas' GPUs, or (None, why not)."""
-            strategy = self.model.distribute_strategy
-            plan = getattr(strategy, "plan", None)
-            gpus = tuple(self.gpus) if self.gpus is not None else tuple(getattr(plan, "gpus", ()) or ())
-            if int(strategy.num_replicas_in_sync) < 2:
-                return None, "unavailable: one replica, nothing is all-reduced over NVLink"
-            if len(gpus) < 2:
-                return None, ("unavailable: the strategy names no 2+ NVML GPUs (no tf_nvlink plan; pass gpus=)")
-            reader = NvLinkCounterReader(gpus, self.nvml, payload_only=True).open()
-            if reader.error or len(reader.readable) < 2:
+        self._done = True  # one window per callback
+        first = self._device_step()
+        reader, counters = self._open_counters()
+        try:
+            tf.profiler.experimental.start(self.profile_dir)
+        except Exception as exc:  # noqa: BLE001 - any profiler failure: say why, train on
+            self._say_unavailable(f"TensorFlow's profiler did not start: {exc}")
+            if reader is not None:
                 reader.close()
-                return None, f"unavailable: {reader.error or unreadable_reasons(reader)}"
-            return reader, reader.read()
+            return
+        self._window = {"first_host_step": host_step, "first_step": first, "began": time.perf_counter(),
+                        "calls": 1, "reader": reader, "counters": counters}
 
-        def _close_window(self) -> None:
-            import tensorflow as tf  # noqa: PLC0415
+    def _open_counters(self):
+        """(reader, first read) for the replicas' GPUs, or (None, why not)."""
+        strategy = self.model.distribute_strategy
+        plan = getattr(strategy, "plan", None)
+        gpus = tuple(self.gpus) if self.gpus is not None else tuple(getattr(plan, "gpus", ()) or ())
+        if int(strategy.num_replicas_in_sync) < 2:
+            return None, "unavailable: one replica, nothing is all-reduced over NVLink"
+        if len(gpus) < 2:
+            return None, ("unavailable: the strategy names no 2+ NVML GPUs (no tf_nvlink plan; pass gpus=)")
+        reader = NvLinkCounterReader(gpus, self.nvml, payload_only=True).open()
+        if reader.error or len(reader.readable) < 2:
+            reader.close()
+            return None, f"unavailable: {reader.error or unreadable_reasons(reader)}"
+        return reader, reader.read()
 
-            window, self._window = self._window, None
-            last = self._device_step()
-            ended = time.perf_counter()
-            try:
-                tf.profiler.experimental.stop()
-            except Exception as exc:  # noqa: BLE001
-                self._say_unavailable(f"TensorFlow's profiler did not stop cleanly: {exc}")
-                return
-            nvlink_bytes: Any = window["counters"]
-            steps = max(last - window["first_step"], 1)
-            if window["reader"] is not None:
-                traffic = traffic_delta(window["counters"], window["reader"].read())
-                window["reader"].close()
-                nvlink_bytes = per_gpu_bytes(traffic) / steps if traffic else "unavailable: no counter moved"
-            self._finished = {"steps": steps, "calls": max(window["calls"], 1),
-                              "step_ms": (ended - window["began"]) * 1e3 / steps, "nvlink_bytes": nvlink_bytes}
+    def _close_window(self) -> None:
+        import tensorflow as tf  # noqa: PLC0415
 
-        def _say_unavailable(self, why: str) -> None:
-            self.unavailable = why
-            log.warning("StepDoctor: no step breakdown: %s; training goes on", why)
+        window, self._window = self._window, None
+        last = self._device_step()
+        ended = time.perf_counter()
+        try:
+            tf.profiler.experimental.stop()
+        except Exception as exc:  # noqa: BLE001
+            self._say_unavailable(f"TensorFlow's profiler did not stop cleanly: {exc}")
+            return
+        nvlink_bytes: Any = window["counters"]
+        steps = max(last - window["first_step"], 1)
+        if window["reader"] is not None:
+            traffic = traffic_delta(window["counters"], window["reader"].read())
+            window["reader"].close()
+            nvlink_bytes = per_gpu_bytes(traffic) / steps if traffic else "unavailable: no counter moved"
+        self._finished = {"steps": steps, "calls": max(window["calls"], 1),
+                          "step_ms": (ended - window["began"]) * 1e3 / steps, "nvlink_bytes": nvlink_bytes}
 
-        # -- the window's epoch end: the report ------------------------------------------------------------------
-        def on_epoch_end(self, epoch, logs=None):
-            entered = time.perf_counter()
-            try:
-                if self._window is not None:
-                    self._close_window()
-                if self._finished is not None:
-                    finished, self._finished = self._finished, None
-                    self._write_report(finished, epoch)
-            finally:
-                self.overhead_s += time.perf_counter() - entered
+    def _say_unavailable(self, why: str) -> None:
+        self.unavailable = why
+        log.warning("StepDoctor: no step breakdown: %s; training goes on", why)
 
-        def _write_report(self, finished: dict, epoch: int) -> None:
-            context = machine_context(self.model, self.gpus, self.global_batch, self.nvml)
-            report, why = diagnose_trace(self.profile_dir, step_ms=finished["step_ms"], steps=finished["steps"],
-                                         calls=finished["calls"], context=context,
-                                         nvlink_bytes_per_step=finished["nvlink_bytes"],
-                                         replica_overhead_ms=self.replica_overhead_ms)
-            report["nvlink_bytes_per_step"] = finished["nvlink_bytes"]
-            report["fit_call"] = {"fixed_ms": round(self._before_first_batch_ms, 3),
-                                  "measured": "from on_train_begin to the first batch of the window's fit"}
-            report["window"] = {"epoch": epoch, "steps": finished["steps"], "calls": finished["calls"],
-                                "step_ms": round(finished["step_ms"], 4)}
-            report["doctor_hooks_s"] = round(self.overhead_s, 4)  # the doctor's own time up to the window's end
-            if why:
-                self._say_unavailable(why)
-            self.report = report
-            self.files["json"] = outputs.write_json(report, os.path.join(self.output_dir, "step_doctor.json"))
-            if not why:
-                chart = outputs.write_chart(report, os.path.join(self.output_dir, "step_doctor.png"))
-                if chart:
-                    self.files["png"] = chart
-                if self._tensorboard_dir:
-                    self.files["tensorboard"] = outputs.write_tensorboard(report, self._tensorboard_dir, epoch)
-                if self.verbose:
-                    print(outputs.render_table(report), flush=True)
-            history = getattr(self.model, "history", None)
-            if history is not None:  # a dict in the epoch logs would break TensorBoard's and the progress bar's
-                history.step_doctor = report
-
-        def on_train_end(self, logs=None):
-            entered = time.perf_counter()
+    # -- the window's epoch end: the report ------------------------------------------------------------------
+    def on_epoch_end(self, epoch, logs=None):
+        entered = time.perf_counter()
+        try:
             if self._window is not None:
                 self._close_window()
-            if self._finished is not None:  # fit ended without an epoch end after the window
+            if self._finished is not None:
                 finished, self._finished = self._finished, None
-                self._write_report(finished, -1)
+                self._write_report(finished, epoch)
+        finally:
             self.overhead_s += time.perf_counter() - entered
 
-    return StepDoctor
+    def _write_report(self, finished: dict, epoch: int) -> None:
+        context = machine_context(self.model, self.gpus, self.global_batch, self.nvml)
+        report, why = diagnose_trace(self.profile_dir, step_ms=finished["step_ms"], steps=finished["steps"],
+                                     calls=finished["calls"], context=context,
+                                     nvlink_bytes_per_step=finished["nvlink_bytes"],
+                                     replica_overhead_ms=self.replica_overhead_ms)
+        report["nvlink_bytes_per_step"] = finished["nvlink_bytes"]
+        report["fit_call"] = {"fixed_ms": round(self._before_first_batch_ms, 3),
+                              "measured": "from on_train_begin to the first batch of the window's fit"}
+        report["window"] = {"epoch": epoch, "steps": finished["steps"], "calls": finished["calls"],
+                            "step_ms": round(finished["step_ms"], 4)}
+        report["doctor_hooks_s"] = round(self.overhead_s, 4)  # the doctor's own time up to the window's end
+        if why:
+            self._say_unavailable(why)
+        self.report = report
+        self.files["json"] = outputs.write_json(report, os.path.join(self.output_dir, "step_doctor.json"))
+        if not why:
+            chart = outputs.write_chart(report, os.path.join(self.output_dir, "step_doctor.png"))
+            if chart:
+                self.files["png"] = chart
+            if self._tensorboard_dir:
+                self.files["tensorboard"] = outputs.write_tensorboard(report, self._tensorboard_dir, epoch)
+            if self.verbose:
+                print(outputs.render_table(report), flush=True)
+        history = getattr(self.model, "history", None)
+        if history is not None:  # a dict in the epoch logs would break TensorBoard's and the progress bar's
+            history.step_doctor = report
 
+    def on_train_end(self, logs=None):
+        entered = time.perf_counter()
+        if self._window is not None:
+            self._close_window()
+        if self._finished is not None:  # fit ended without an epoch end after the window
+            finished, self._finished = self._finished, None
+            self._write_report(finished, -1)
+        self.overhead_s += time.perf_counter() - entered
 
-_CALLBACK_CLASS: list = []
-
-
-def __getattr__(name: str):
-    """`StepDoctor` is built on first access, so importing this module does not import Keras."""
-    if name == "StepDoctor":
-        if not _CALLBACK_CLASS:
-            _CALLBACK_CLASS.append(_make_callback_class())
-        return _CALLBACK_CLASS[0]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
