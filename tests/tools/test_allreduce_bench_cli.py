@@ -5,25 +5,10 @@ import json
 
 import pytest
 
-from tf_nvlink.tools import allreduce_bench
-from tf_nvlink.tools.allreduce_bench import specs
-from tf_nvlink.tools.allreduce_bench import runner
+from fake_allreduce import BENCH_ARGS, fake_measure
 from tf_nvlink.tools.allreduce_bench import cli
 
 
-def fake_measure(calls, before_return=None):
-    """runner.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
-    def measure(candidates, target, sizes, **_):
-        calls.append(list(sizes))
-        if before_return:
-            before_return()
-        output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
-                  "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
-        return runner.to_records(output, specs.parse_candidate("reduce_to_one"), target), []
-    return measure
-
-
-BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", "1K", "--iters", "1"]
 
 
 @pytest.mark.parametrize("where", ["under a file", "missing folder", "a folder"])

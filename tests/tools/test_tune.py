@@ -13,6 +13,7 @@ import pytest
 
 import fake_nvml
 from fake_nvml import FakeNvml
+from fake_allreduce import BENCH_ARGS, fake_measure
 from tf_nvlink.tools.allreduce_bench import runner
 from tf_nvlink.tools.allreduce_bench import specs
 from tf_nvlink.machine import nvml
@@ -333,19 +334,6 @@ def test_list_with_a_folder_at_the_cache_path_warns_and_names_it(cache, caplog):
 
 
 # ---------------------------------------------------------------- no measurement lost to an unusable cache
-def fake_measure(calls, before_return=None):
-    """runner.measure's stand-in: one correct reduce_to_one record per size, no worker process."""
-    def measure(candidates, target, sizes, **_):
-        calls.append(list(sizes))
-        if before_return:
-            before_return()
-        output = {"ok": True, "ops": "reduce_to_one", "n_replicas": target.n, "tf_version": "2.21.0",
-                  "results": [{"size_bytes": s, "count": s // 4, "time_us": 100.0, "wrong": 0} for s in sizes]}
-        return runner.to_records(output, specs.parse_candidate("reduce_to_one"), target), []
-    return measure
-
-
-BENCH_ARGS = ["--devices", "cpu:2", "--candidates", "reduce_to_one", "--sizes", "1K", "--iters", "1"]
 
 
 def test_main_refuses_an_unusable_cache_before_measuring(tmp_path, monkeypatch, capsys):
