@@ -178,7 +178,7 @@ def soak_training(args, rng, out):
 
 def valid_cache(path, earlier_key):
     from tf_nvlink.plan import tune_cache
-    from tf_nvlink.util.text import strict_loads
+    from tf_nvlink.util.strict_json import strict_loads
 
     with open(path) as f:
         data = strict_loads(f.read())

@@ -23,7 +23,7 @@ from tf_nvlink.tools.allreduce_bench import cli
 from tf_nvlink.tools.allreduce_bench import render
 from tf_nvlink.tools.allreduce_bench import runner
 from tf_nvlink.tools.allreduce_bench import specs
-from tf_nvlink.util.text import one_line_error
+from tf_nvlink.util.error_lines import one_line_error
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine.topology import Topology
 

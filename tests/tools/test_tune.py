@@ -19,7 +19,7 @@ from tf_nvlink.tools.allreduce_bench import specs
 from tf_nvlink.machine import nvml
 from tf_nvlink.tools import tune
 from tf_nvlink.plan import tune_cache
-from tf_nvlink.util.text import strict_loads
+from tf_nvlink.util.strict_json import strict_loads
 from tf_nvlink.machine.topology import Topology
 
 

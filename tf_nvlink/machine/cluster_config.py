@@ -18,7 +18,7 @@ import os
 import re
 from typing import Any, Mapping, Optional
 
-from tf_nvlink.util.text import StrictJsonError, strict_loads
+from tf_nvlink.util.strict_json import StrictJsonError, strict_loads
 
 # The jobs MultiWorkerMirroredStrategy knows: the all-reduce runs over "chief" and "worker"; an "evaluator"
 # evaluates checkpoints on the side and is not part of it.

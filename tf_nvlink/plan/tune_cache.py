@@ -33,7 +33,7 @@ from tf_nvlink.util import atomic_files
 from tf_nvlink.plan import policy
 from tf_nvlink.util.atomic_files import write_atomic
 from tf_nvlink.plan.allreduce_sizes import MAX_PACKS, MAX_SIZE, format_size
-from tf_nvlink.util.text import strict_loads
+from tf_nvlink.util.strict_json import strict_loads
 
 try:
     import fcntl as _FCNTL  # POSIX only

@@ -25,7 +25,7 @@ from tf_nvlink.plan import step_options
 from tf_nvlink.machine import nvlink_traffic
 from tf_nvlink.plan import policy
 from tf_nvlink.machine.nvml import probe as nvml_probe
-from tf_nvlink.util.text import table
+from tf_nvlink.util.text_table import table
 from tf_nvlink.machine.topology import RemoteType, Topology
 
 LEGEND = ("Legend: X = self; NV# = a bonded set of # NVLinks (direct, or through NVSwitch); PIX = one PCIe "

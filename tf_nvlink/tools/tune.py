@@ -41,7 +41,7 @@ from tf_nvlink.plan.tune_cache import (CacheError, cache_path, cache_unusable_re
                                        store, stored_choice, validate_record)
 from tf_nvlink.tools.allreduce_bench import cli, render, runner, specs
 from tf_nvlink.util.cli_args import argtype, command_line, usage_error
-from tf_nvlink.util.text import write_failure
+from tf_nvlink.util.error_lines import write_failure
 
 log = logging.getLogger("tf_nvlink")
 

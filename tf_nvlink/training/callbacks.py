@@ -17,7 +17,7 @@ import keras
 
 from tf_nvlink import internals
 from tf_nvlink.util import atomic_files
-from tf_nvlink.util.text import strict_loads
+from tf_nvlink.util.strict_json import strict_loads
 
 
 def save_atomically(model, path):

@@ -18,7 +18,7 @@ from tf_nvlink.plan.allreduce_sizes import format_size
 from tf_nvlink.tools.allreduce_bench.specs import (DEFAULT_CANDIDATES, DEFAULT_SIZES, P2P_ENV, P2P_VARIANT, BenchError,
                                    parse_candidates, parse_env, parse_size, parse_sizes, plan_runs,
                                    resolve_target, skip_reason)
-from tf_nvlink.util.text import write_failure
+from tf_nvlink.util.error_lines import write_failure
 
 HELP = "all-reduce time, algbw and busbw per cross-device-ops candidate, each in its own process (like nccl-tests)"
 

@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence, TextIO
 
 from tf_nvlink.util import json_workers
 from tf_nvlink.tools.allreduce_bench.specs import Candidate, Target, algbw_gbps, busbw_gbps, plan_runs
-from tf_nvlink.util.text import one_line_error
+from tf_nvlink.util.error_lines import one_line_error
 
 def worker_command(candidate: Candidate, target: Target, sizes: Sequence[int], iters: int, warmup: int,
                    repeats: int) -> list[str]:

@@ -20,7 +20,7 @@ from tf_nvlink.machine import nvlink_traffic
 
 from tf_nvlink.machine.nvml import NvLinkCounterReader
 from tf_nvlink.tools.allreduce_bench.specs import DTYPE_BYTES, Candidate, parse_candidate, parse_sizes, subtract_local
-from tf_nvlink.util.text import one_line_error
+from tf_nvlink.util.error_lines import one_line_error
 from tf_nvlink.machine.topology import Topology
 
 def _silence_stdout():

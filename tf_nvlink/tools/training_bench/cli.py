@@ -56,7 +56,7 @@ from tf_nvlink.tools import bench_stats
 from tf_nvlink.tools.training_bench import models
 from tf_nvlink.tools.training_bench.candidates import Candidate, parse_list
 from tf_nvlink.util import atomic_files, json_workers
-from tf_nvlink.util.text import one_line_error
+from tf_nvlink.util.error_lines import one_line_error
 
 MODELS = models.BENCH_MODELS  # built by models.build_bench_model
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica

@@ -1,8 +1,8 @@
-"""tf_nvlink.util.text: strict JSON (no NaN, no infinities, no duplicate keys)."""
+"""tf_nvlink.util.strict_json: strict JSON (no NaN, no infinities, no duplicate keys)."""
 
 import pytest
 
-from tf_nvlink.util.text import strict_loads
+from tf_nvlink.util.strict_json import strict_loads
 
 
 STRICT_JSON = ["NaN", "[Infinity]", '{"a": -Infinity}', "1e999", '{"a": 1, "a": 2}']
