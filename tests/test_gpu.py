@@ -65,13 +65,13 @@ def test_h200_facts_when_on_h200():
     if not all(g.name == "NVIDIA H200" for g in topo.gpus):
         pytest.skip("not an H200 machine")
     if not any(gpu.active_links for gpu in topo.gpus):  # the lab's 1x H200 reports no NVLink (seen 2026-12-01)
-        assert topo.kind() in ("single", "pcie"), topo.kind()
+        assert topo.shape() in ("single", "pcie"), topo.shape()
         pytest.skip("an H200 without active NVLink links (PCIe or a link-less slice): the NVLink facts do not apply")
     for gpu in topo.gpus:
         assert len(gpu.active_links) == 18 and gpu.nvlink_version == "4.0"
         assert gpu.nvlink_gbps == pytest.approx(478.1, abs=0.1)
     if GPU_COUNT > 1:
-        assert topo.kind() == "nvswitch" and topo.label(0, 1) == "NV18"
+        assert topo.shape() == "nvswitch" and topo.label(0, 1) == "NV18"
 
 
 @needs_gpu

@@ -146,7 +146,7 @@ def test_groups_and_connectivity(probed):
     _, topo, _, want = probed
     assert topo.nvlink_groups() == want["groups"]
     assert topo.is_nvlink_connected(topo.indices) is want["connected"]
-    assert topo.kind() == want["kind"]
+    assert topo.shape() == want["kind"]
 
 
 def test_remote_pci_of_direct_links_is_the_peer(probed):
@@ -298,7 +298,7 @@ def test_real_pynvml_on_this_machine_does_not_raise():
         pytest.skip(f"this machine has {len(topo.gpus)} NVIDIA GPU(s)")
     assert topo.error and "no NVIDIA driver / NVML" in topo.error
     assert topo.gpus == () and topo.pairs == ()
-    assert topo.kind() == "none" and topo.nvlink_groups() == ()
+    assert topo.shape() == "none" and topo.nvlink_groups() == ()
 
 
 # ---------------------------------------------------------------- any NVML failure: one warning line, a stated fallback

@@ -134,7 +134,7 @@ class TestTopology:
         (bridged_pairs_x4, None, "nvlink-partial"),
     ])
     def test_kind(self, factory, indices, kind):
-        assert probe(factory).kind(indices) == kind
+        assert probe(factory).shape(indices) == kind
 
     def test_min_pair_gbps(self):
         topo = three_gpus()

@@ -1,4 +1,4 @@
-"""Step knobs of the plan (tf_nvlink.plan.step_options.choose_knobs) and how the strategy applies them: XLA flags merged
+"""Step options of the plan (tf_nvlink.plan.step_options.choose_step_options) and how the strategy applies them: XLA flags merged
 into XLA_FLAGS (the user's win), gradients all-reduced in bfloat16, input prefetched to each replica's device."""
 
 import json
@@ -30,7 +30,7 @@ def plan_for(machine, gpus="all", xla_allreduce="auto"):
     ("no_driver", "all", "auto", ()),            # CPU
 ])
 def test_xla_flags_chosen_for_gpus_and_fused_multi_gpu_xla(machine, gpus, mode, expected):
-    plan = step_options.choose_knobs(plan_for(machine, gpus, mode))
+    plan = step_options.choose_step_options(plan_for(machine, gpus, mode))
     assert plan.xla_flags == expected and plan.xla_flags_kept == ()
     assert (LHS in plan.summary()) == (LHS in expected)
     assert plan.to_dict()["xla_flags"] == list(expected)
@@ -38,7 +38,7 @@ def test_xla_flags_chosen_for_gpus_and_fused_multi_gpu_xla(machine, gpus, mode, 
 
 def test_users_xla_flags_win_and_are_recorded():
     user = "--xla_dump_to=/tmp/dump --xla_gpu_enable_latency_hiding_scheduler=false"
-    plan = step_options.choose_knobs(plan_for("h200_x2"), user_xla_flags=user)
+    plan = step_options.choose_step_options(plan_for("h200_x2"), user_xla_flags=user)
     assert plan.xla_flags == (GRAPHS,) and plan.xla_flags_kept == ("--xla_gpu_enable_latency_hiding_scheduler=false",)
     assert "user's XLA_FLAGS kept: --xla_gpu_enable_latency_hiding_scheduler=false" in plan.summary()
     value, added, kept = step_options.merge_xla_flags("--xla_dump_to=/tmp/dump", (LHS,))
@@ -47,39 +47,39 @@ def test_users_xla_flags_win_and_are_recorded():
 
 
 def test_xla_flags_none_and_explicit_lists():
-    assert step_options.choose_knobs(plan_for("h200_x2"), xla_flags="none").xla_flags == ()
+    assert step_options.choose_step_options(plan_for("h200_x2"), xla_flags="none").xla_flags == ()
     explicit = ["--xla_gpu_all_reduce_combine_threshold_bytes=134217728", LHS]
-    assert step_options.choose_knobs(plan_for("no_driver"), xla_flags=explicit).xla_flags == tuple(explicit)
+    assert step_options.choose_step_options(plan_for("no_driver"), xla_flags=explicit).xla_flags == tuple(explicit)
 
 
 @pytest.mark.parametrize("bad", ["on", "", ["--xla_made_up_flag=true"], ["xla_gpu_enable_latency_hiding_scheduler"],
                                  [LHS + " --x=1"], 3])
 def test_bad_xla_flags_are_refused_naming_the_valid_choices(bad):
     with pytest.raises(ValueError, match="xla_flags") as info:
-        step_options.choose_knobs(plan_for("h200_x2"), xla_flags=bad)
+        step_options.choose_step_options(plan_for("h200_x2"), xla_flags=bad)
     assert "auto" in str(info.value) or "xla_gpu_enable_latency_hiding_scheduler" in str(info.value)
 
 
 def test_allreduce_dtype_and_input_buffer():
-    plan = step_options.choose_knobs(plan_for("h200_x2"), allreduce_dtype="bfloat16")
+    plan = step_options.choose_step_options(plan_for("h200_x2"), allreduce_dtype="bfloat16")
     assert plan.allreduce_dtype == "bfloat16" and "gradients all-reduced in bfloat16" in plan.summary()
     assert plan.input_buffer == step_options.GPU_INPUT_BUFFER == 1 and "1 batch deep" in plan.summary()
-    assert step_options.choose_knobs(plan_for("no_driver")).input_buffer == 0  # CPU: TensorFlow's own options
-    assert step_options.choose_knobs(plan_for("h200_x2"), input_buffer=1).input_buffer == 1
+    assert step_options.choose_step_options(plan_for("no_driver")).input_buffer == 0  # CPU: TensorFlow's own options
+    assert step_options.choose_step_options(plan_for("h200_x2"), input_buffer=1).input_buffer == 1
     with pytest.raises(ValueError, match="allreduce_dtype should be one of \\['float32', 'bfloat16'\\]"):
-        step_options.choose_knobs(plan_for("h200_x2"), allreduce_dtype="float16")
+        step_options.choose_step_options(plan_for("h200_x2"), allreduce_dtype="float16")
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="input_buffer should be a positive integer"):
-            step_options.choose_knobs(plan_for("h200_x2"), input_buffer=bad)
-    default = step_options.choose_knobs(plan_for("no_driver"))
-    assert default.allreduce_dtype == "float32" and default.knobs_summary() == ""
+            step_options.choose_step_options(plan_for("h200_x2"), input_buffer=bad)
+    default = step_options.choose_step_options(plan_for("no_driver"))
+    assert default.allreduce_dtype == "float32" and default.step_options_summary() == ""
 
 
-def test_decide_chooses_the_knobs_for_the_final_plan():
-    """policy.decide (what strategy() and the report call) picks the knobs last: from the user's XLA_FLAGS in the
+def test_decide_chooses_the_step_options_for_the_final_plan():
+    """policy.decide (what strategy() and the report call) picks the step options last: from the user's XLA_FLAGS in the
     facts, and after the NCCL fallback, which makes the plan split (no collective inside XLA: no flags)."""
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
-    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_knobs=("auto", "bfloat16", None))
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_options=("auto", "bfloat16", None))
     assert (plan.xla_allreduce, plan.xla_flags, plan.allreduce_dtype, plan.input_buffer) == \
         ("fused", (GRAPHS, LHS), "bfloat16", 1)
     user = "--xla_gpu_enable_latency_hiding_scheduler=false"
@@ -87,7 +87,7 @@ def test_decide_chooses_the_knobs_for_the_final_plan():
     assert plan.xla_flags == (GRAPHS,) and plan.xla_flags_kept == (user,) and plan.allreduce_dtype == "float32"
     plan, warnings = policy.decide(policy.Facts(topo, tf_gpu_count=2, nccl_available=False))
     assert plan.xla_allreduce == "split" and plan.xla_flags == (GRAPHS,) and "no NCCL" in warnings[0]
-    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=0, no_gpu_cause="x"), asked_knobs=(
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=0, no_gpu_cause="x"), asked_options=(
         [LHS], "float32", 3))
     assert plan.gpus == () and plan.xla_flags == (LHS,) and plan.input_buffer == 3  # explicit: as given
     assert step_options.validate_request([LHS], "bfloat16", 1) == ((LHS,), "bfloat16", 1)
@@ -96,14 +96,14 @@ def test_decide_chooses_the_knobs_for_the_final_plan():
 def test_apply_xla_flags_merges_into_the_environment():
     from tf_nvlink.distribute import single_host
 
-    plan = step_options.choose_knobs(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
+    plan = step_options.choose_step_options(plan_for("h200_x2"), user_xla_flags="--xla_dump_to=/tmp/d")
     environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/d"}
     assert single_host.apply_xla_flags(plan, environ=environ) == f"--xla_dump_to=/tmp/d {GRAPHS} {LHS}" == \
         environ["XLA_FLAGS"]
     # again from the user's value (as the strategy does after its provisional setting): nothing added twice
     assert single_host.apply_xla_flags(plan, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"]
     # a final plan without flags takes the provisional ones back: the user's value, or no variable at all
-    cpu = step_options.choose_knobs(plan_for("no_driver"))
+    cpu = step_options.choose_step_options(plan_for("no_driver"))
     assert single_host.apply_xla_flags(cpu, "--xla_dump_to=/tmp/d", environ) == environ["XLA_FLAGS"] == \
         "--xla_dump_to=/tmp/d"
     assert single_host.apply_xla_flags(cpu, "", environ) == "" and "XLA_FLAGS" not in environ
@@ -247,7 +247,7 @@ print(json.dumps({"options": seen[0], "plan_buffer": s.plan.input_buffer,
     assert records[3]["weights"] == records[None]["weights"]
 
 
-def test_strategy_refuses_bad_knobs_before_building(tf):
+def test_strategy_refuses_bad_step_options_before_building(tf):
     import tf_nvlink
 
     for kwargs, match in [({"xla_flags": "fast"}, "xla_flags should be one of"),
@@ -257,14 +257,14 @@ def test_strategy_refuses_bad_knobs_before_building(tf):
             tf_nvlink.strategy(**kwargs)
 
 
-def test_report_shows_the_knobs_and_the_users_xla_flags():
+def test_report_shows_the_step_options_and_the_users_xla_flags():
     from tf_nvlink.tools import report
 
     topo = nvml.probe(FakeNvml(fake_nvml.MACHINES["h200_x2"]()))
     data = report.collect(topology=topo, with_tf=False, environ={})
     assert data["plan"]["xla_flags"] == [GRAPHS, LHS] and data["plan"]["input_buffer"] == 1
-    knobs = next(line for line in report.render_text(data).splitlines() if line.startswith("  knobs"))
-    assert knobs == (f"  knobs      XLA_FLAGS += {GRAPHS} {LHS}; gradients all-reduced in float32; input prefetched 1 "
+    options = next(line for line in report.render_text(data).splitlines() if line.startswith("  options"))
+    assert options == (f"  options    XLA_FLAGS += {GRAPHS} {LHS}; gradients all-reduced in float32; input prefetched 1 "
                      f"batch deep per GPU")
     user = "--xla_gpu_enable_latency_hiding_scheduler=false"
     data = report.collect(topology=topo, with_tf=False, environ={"XLA_FLAGS": user})
@@ -277,7 +277,7 @@ def test_command_buffer_flags_are_known_and_checked():
     --xla_gpu_enable_command_buffer (graphs off) included; an unknown thunk kind is refused naming the valid ones."""
     flags = ["--xla_gpu_enable_command_buffer=", "--xla_gpu_graph_min_graph_size=1",
              "--xla_enable_command_buffers_during_profiling=true"]
-    assert step_options.choose_knobs(plan_for("h200_x2", "0"), xla_flags=flags).xla_flags == tuple(flags)
+    assert step_options.choose_step_options(plan_for("h200_x2", "0"), xla_flags=flags).xla_flags == tuple(flags)
     kinds = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN,WHILE"
     assert step_options.validate_xla_flags([kinds]) == (kinds,)
     with pytest.raises(ValueError, match=r"comma list of \['FUSION'.*Received: \['CONV'\]"):

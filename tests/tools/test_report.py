@@ -187,7 +187,7 @@ def test_h200_json_numbers():
         18, "4.0", 26.562, 478.116)
     assert gpu["reaches"] == "NVSwitch x18"
     assert data["matrix"]["nvlink_gbps"] == [[None, 478.116], [478.116, None]]
-    assert data["nvlink_groups"] == [[0, 1]] and data["kind"] == "nvswitch"
+    assert data["nvlink_groups"] == [[0, 1]] and data["shape"] == "nvswitch"
     assert data["plan"]["gpus"] == [0, 1] and data["plan"]["cross_device_ops"] == "nccl"
     assert data["auto_plan"]["gpus"] == [0, 1]
 

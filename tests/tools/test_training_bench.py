@@ -48,7 +48,7 @@ def test_parse_candidates_rejects_unknown_names_naming_the_bad_token_and_valid_o
 
 @pytest.mark.parametrize("text", ["workers@split", "1gpu@fused", "stock@split", "1gpu@bf16grad", "stock@nolhs",
                                   "workers@buffer1", "onedevice@nosync"])
-def test_strategy_knobs_only_for_tf_nvlink_single_process_strategies(text):
+def test_strategy_options_only_for_tf_nvlink_single_process_strategies(text):
     with pytest.raises(ValueError, match="only '@nocudagraphs', '@ondevice', '@nop2p', '@customloop' apply"):
         parse_list(text)
 
@@ -297,7 +297,7 @@ def test_custom_loop_candidate_trains_two_cpu_replicas_with_an_xla_step():
         Candidate.parse("workers@customloop")
 
 
-def test_table_knob_ratios_and_scaling_per_input():
+def test_table_step_option_ratios_and_scaling_per_input():
     def row(name, eps, replicas=2, input_mode="host"):
         return {"candidate": name, "replicas": replicas, "jit_compile": True, "step_ms": 1.0, "examples_per_s": eps,
                 "input": input_mode, "spread": 0.05}

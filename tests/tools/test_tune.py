@@ -314,8 +314,8 @@ def test_report_and_auto_plan_show_a_stored_winner():
     assert (plan.cross_device_ops, plan.num_packs, plan.xla_allreduce) == ("hierarchical", 2, "fused")
     assert plan.to_dict() == {k: v for k, v in after.items() if k not in ("summary", "error", "warnings")}
     assert warnings == []
-    single, _ = policy.decide(facts, gpus="0")  # one GPU: no winner applies; only the step knobs are added
-    assert single == step_options.choose_knobs(policy.make_plan(topo, gpus="0"))
+    single, _ = policy.decide(facts, gpus="0")  # one GPU: no winner applies; only the step options are added
+    assert single == step_options.choose_step_options(policy.make_plan(topo, gpus="0"))
     assert (single.cross_device_ops, single.input_buffer) == (policy.make_plan(topo, gpus="0").cross_device_ops, 1)
 
 

@@ -68,7 +68,7 @@ class WorkerInfo:
     address: str
     hostname: str
     fingerprint: str  # Topology.fingerprint() of the worker's machine
-    shape: str  # Topology.kind() of the GPUs it trains on
+    shape: str  # Topology.shape() of the GPUs it trains on
     gpu_count: int  # replicas (GPUs) it trains on; 0 = CPU
     implementation: str  # NCCL / RING
 
@@ -131,12 +131,12 @@ class MultiWorkerPlan:
 
     @property
     def allreduce_dtype(self) -> str:
-        """The gradient all-reduce's dtype ("float32": the knob is single-host only)."""
+        """The gradient all-reduce's dtype ("float32": the option is single-host only)."""
         return self.local.allreduce_dtype
 
     @property
     def input_buffer(self) -> int:
-        """Batches prefetched per replica (the single-host knob; its default here)."""
+        """Batches prefetched per replica (the single-host option; its default here)."""
         return self.local.input_buffer
 
     @property
@@ -221,7 +221,7 @@ def build_strategy(topology: Topology, cluster: Optional[ClusterConfig], cluster
     built = _start_strategy(cluster, cluster_resolver, local_gpu_count, options)
 
     implementation = options.implementation.name
-    shape = topology.kind(visible)  # of NVML indices (fewer than local_gpu_count only where NVML cannot map all)
+    shape = topology.shape(visible)  # of NVML indices (fewer than local_gpu_count only where NVML cannot map all)
     me = WorkerInfo(task=cluster.task, address=cluster.address, hostname=socket.gethostname(),
                     fingerprint=topology.fingerprint(), shape=shape if local_gpu_count else "none",
                     gpu_count=local_gpu_count, implementation=implementation)

@@ -75,11 +75,11 @@ def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
     return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
 
 
-def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST):
+def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
     ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
-    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, asked_knobs)
+    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, asked_options)
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,
@@ -138,12 +138,12 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
     """
     _check_topology_and_timeout(topology, peer_timeout_s)
     # Checked before anything is built or recorded: a bad value costs nothing.
-    asked_knobs = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer)
+    asked_options = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer)
     if cross_device_ops == "autotune" and autotune_choice is None:
         raise ValueError("cross_device_ops='autotune' measures the candidates through tf_nvlink.strategy(); "
                          "call that, or pass autotune_choice=tf_nvlink.tools.tune.autotune_choice. Valid without "
                          f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
-    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_knobs) + (
+    key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options) + (
         None if cluster_resolver is None else id(cluster_resolver),)
     with _LOCK:
         if _CURRENT:
@@ -152,10 +152,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         if cluster_resolver is not None or cluster is not None:
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
-                xla_allreduce=xla_allreduce), asked_knobs, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
+                xla_allreduce=xla_allreduce), asked_options, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
                                                                 input_buffer=input_buffer))
         else:
-            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs,
+            built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options,
                                  autotune_choice)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
@@ -184,14 +184,14 @@ def _the_strategy_already_built(key):
 
 
 def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, single_host_options: dict,
-                        asked_knobs, knobs: dict):
+                        asked_options, options: dict):
     """The multi-worker strategy for TF_CONFIG or a cluster resolver, once the single-host-only arguments are
     checked to be at their defaults. Returns (strategy, plan)."""
     multi_worker.check_single_host_options(**single_host_options)
-    if asked_knobs != step_options.DEFAULT_REQUEST:
+    if asked_options != step_options.DEFAULT_REQUEST:
         raise ValueError("xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
                          "leave them at their defaults with several workers. Received: "
-                         + ", ".join(f"{name}={value!r}" for name, value in knobs.items()))
+                         + ", ".join(f"{name}={value!r}" for name, value in options.items()))
     built, plan = multi_worker.build_strategy(
         topology if topology is not None else nvml.probe(), cluster, cluster_resolver=cluster_resolver,
         peer_timeout_s=rendezvous.DEFAULT_PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
@@ -200,7 +200,7 @@ def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, sin
     return built, plan
 
 
-def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_knobs=step_options.DEFAULT_REQUEST,
+def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST,
            autotune_choice: Optional[facts_lib.AutotuneChoice] = None):
     """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
@@ -218,11 +218,11 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     topology = topology if topology is not None else nvml.probe()
     user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
-                                 asked_knobs)
+                                 asked_options)
     try:
         facts = facts_lib.gather_facts(topology, autotune_choice=autotune_choice if ops_name == "autotune" else None,
                                        user_xla_flags=user_xla_flags)
-        plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+        plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_options)
     except Exception:
         _set_xla_flags(user_xla_flags)  # no strategy: the provisional flags are taken back
         raise
@@ -299,14 +299,14 @@ def _set_xla_flags(value: str, environ=None) -> None:
 
 
 def _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
-                                 asked_knobs):
+                                 asked_options):
     """The XLA flags of the plan NVML alone implies (`policy.decide` without TensorFlow's facts), set before
     `facts_lib.gather_facts` asks TensorFlow for its GPUs (in case that already reads XLA_FLAGS); the final plan sets them
     again, or takes them back."""
     facts = policy.Facts(topology=topology, visible=tuple(devices_lib.visible_nvml_indices(topology)),
                          user_xla_flags=user_xla_flags)
     try:
-        early, _ = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_knobs)
+        early, _ = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_options)
     except ValueError:
         return  # the final `decide` raises or falls back, and the flags are set then
     apply_xla_flags(early, user_xla_flags)

@@ -274,7 +274,7 @@ class Topology:
         rates = [self.pair(a, b).nvlink_gbps for i, a in enumerate(chosen) for b in chosen[i + 1:]]
         return min(rates) if rates else 0.0
 
-    def kind(self, indices: Optional[Iterable[int]] = None) -> str:
+    def shape(self, indices: Optional[Iterable[int]] = None) -> str:
         """A one-word shape of the chosen GPUs: none, single, nvswitch, nvlink-all, nvlink-partial, pcie."""
         chosen = sorted(set(self.indices if indices is None else indices))
         if not chosen:

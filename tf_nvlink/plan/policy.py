@@ -51,12 +51,12 @@ class Plan:
     num_packs: Optional[int]
     reason: str
     fingerprint: str
-    shape: str  # Topology.kind(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
+    shape: str  # Topology.shape(): none, single, nvswitch, nvlink-all, nvlink-partial, pcie
     nvlink_gbps: float  # slowest pair's NVLink GB/s per direction (0 without NVLink)
     devices: tuple[str, ...] = ()
     xla_allreduce: str = "split"  # for jit_compile=True models: "fused" into XLA (GPUs) or "split" (see tf_nvlink.training.install)
     requested: tuple = ()  # (gpus, cross_device_ops, num_packs) as the user asked, for "same request?" checks
-    xla_flags: tuple[str, ...] = ()  # step knobs (tf_nvlink/step_options.py): flags tf_nvlink adds to XLA_FLAGS,
+    xla_flags: tuple[str, ...] = ()  # step options (tf_nvlink/step_options.py): flags tf_nvlink adds to XLA_FLAGS,
     xla_flags_kept: tuple[str, ...] = ()  # the user's XLA_FLAGS entries that won over a planned flag,
     allreduce_dtype: str = "float32"  # the dtype gradients are all-reduced in,
     input_buffer: int = 0  # batches prefetched to each replica's device (0: TensorFlow's default options)
@@ -73,10 +73,10 @@ class Plan:
             where = gpus_text(self.gpus, self.shape, self.nvlink_gbps)
         packs = f", num_packs={self.num_packs}" if self.num_packs is not None else ""
         xla = "; XLA models all-reduce inside XLA" if self.xla_allreduce == "fused" else ""
-        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}{self.knobs_summary()}: "
+        return (f"tf_nvlink plan: {where} -> {self.cross_device_ops}{packs}{xla}{self.step_options_summary()}: "
                 f"{self.reason} [topology {self.fingerprint}]")
 
-    def knobs_summary(self) -> str:  # the step knobs that differ from TensorFlow's defaults, as "; ..." clauses
+    def step_options_summary(self) -> str:  # the step options that differ from TensorFlow's defaults, as "; ..." clauses
         return step_options.summary_clauses(self)
 
     def to_dict(self) -> dict:
@@ -139,7 +139,7 @@ def make_plan(topology: Topology, gpus: GpuSpec = "all", cross_device_ops: str =
         chosen: tuple[int, ...] = ()
     else:
         chosen = parse_gpus(gpus, topology, visible)
-    shape = topology.kind(chosen)
+    shape = topology.shape(chosen)
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
     # "autotune" plans like "auto"; `decide` then swaps in the measured winner (`Facts.tune_choice`).
     rule_request = "auto" if cross_device_ops == "autotune" else cross_device_ops  # `decide` adds the winner
@@ -226,11 +226,11 @@ class Facts:
 
 
 def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", num_packs: Optional[int] = None,
-           xla_allreduce: str = "auto", ops_instance: str = "", asked_knobs=step_options.DEFAULT_REQUEST) -> tuple[Plan, list]:
+           xla_allreduce: str = "auto", ops_instance: str = "", asked_options=step_options.DEFAULT_REQUEST) -> tuple[Plan, list]:
     """The plan `tf_nvlink.strategy()` builds from `facts`, and the warning lines to log. The report calls it too.
 
     `ops_instance`: the class name of a `tf.distribute.CrossDeviceOps` instance the caller gave (then
-    `cross_device_ops` is "auto" and only the GPUs are chosen). `asked_knobs`: see `step_options.validate_request`.
+    `cross_device_ops` is "auto" and only the GPUs are chosen). `asked_options`: see `step_options.validate_request`.
 
     Example:
         >>> plan, warnings = decide(Facts(nvml.probe(), tf_gpu_count=2))
@@ -279,7 +279,7 @@ def decide(facts: Facts, gpus: GpuSpec = "all", cross_device_ops: str = "auto", 
     if ops_instance:
         plan = dataclasses.replace(plan, cross_device_ops=ops_instance, num_packs=None,
                                    reason="a CrossDeviceOps instance given by the caller")
-    return step_options.choose_knobs(plan, facts.user_xla_flags, *asked_knobs), warnings
+    return step_options.choose_step_options(plan, facts.user_xla_flags, *asked_options), warnings
 
 
 def without_nccl(plan: Plan) -> tuple[Plan, str]:
@@ -333,7 +333,7 @@ def choose_implementation(topology: Topology, local_gpu_count: int,
         return ("NCCL", f"this worker trains on {local_gpu_count} GPU(s) but NVML maps {len(visible)} of them "
                 f"({list(visible)}), so their links are uncertain: NCCL all the same, since TensorFlow's AUTO would "
                 "mean its gRPC ring through host memory on GPUs")
-    shape = topology.kind(visible)
+    shape = topology.shape(visible)
     if shape == "single":
         return ("NCCL", "one GPU per worker: NCCL all-reduces across workers (InfiniBand/RoCE when present, TCP "
                 "sockets otherwise); TensorFlow's AUTO would mean its gRPC ring through host memory")

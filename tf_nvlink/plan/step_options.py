@@ -1,6 +1,6 @@
-"""Step knobs of a plan: XLA flags, the gradient all-reduce dtype, the input prefetch depth. Pure: no TensorFlow.
+"""Step options of a plan: XLA flags, the gradient all-reduce dtype, the input prefetch depth. Pure: no TensorFlow.
 
-`policy.decide` chooses them (through `choose_knobs`, with the user's `XLA_FLAGS` from `policy.Facts`);
+`policy.decide` chooses them (through `choose_step_options`, with the user's `XLA_FLAGS` from `policy.Facts`);
 `tf_nvlink/strategies.py` applies them (XLA_FLAGS before TensorFlow initialises its GPUs, `InputOptions` in
 `experimental_distribute_dataset`, the bfloat16 hook in `tf_nvlink.training.gradient_allreduce`); `tf-nvlink report` shows them.
 
@@ -134,21 +134,21 @@ def validate_allreduce_dtype(allreduce_dtype: str) -> str:
 
 
 def validate_request(xla_flags="auto", allreduce_dtype: str = "float32", input_buffer: Optional[int] = None) -> tuple:
-    """Check a knob request before anything is built; returns it hashable: (xla_flags, dtype, input_buffer)."""
+    """Check a step-option request before anything is built; returns it hashable: (xla_flags, dtype, input_buffer)."""
     validate_xla_flags(xla_flags)
     validate_allreduce_dtype(allreduce_dtype)
     choose_input_buffer(0, input_buffer)
     return (tuple(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags, allreduce_dtype, input_buffer)
 
 
-def choose_knobs(plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dtype: str = "float32",
+def choose_step_options(plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dtype: str = "float32",
                  input_buffer: Optional[int] = None):
-    """`plan` (a `policy.Plan`) with its step knobs chosen: XLA flags (merged under the user's `XLA_FLAGS` value,
+    """`plan` (a `policy.Plan`) with its step options chosen: XLA flags (merged under the user's `XLA_FLAGS` value,
     which wins), the gradient all-reduce dtype (float32 unless asked: bfloat16 halves the bytes but sums in 8 bits
     of mantissa), and the input prefetch depth per replica. `policy.decide` calls it last, on the final plan.
 
     Example:
-        >>> choose_knobs(plan, user_xla_flags="").xla_flags     # a 2-GPU fused plan
+        >>> choose_step_options(plan, user_xla_flags="").xla_flags     # a 2-GPU fused plan
         ('--xla_enable_command_buffers_during_profiling=true', '--xla_gpu_enable_latency_hiding_scheduler=true')
     """
     validate_allreduce_dtype(allreduce_dtype)  # with one replica nothing is all-reduced: recorded, harmless
@@ -159,7 +159,7 @@ def choose_knobs(plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dty
 
 
 def summary_clauses(plan) -> str:
-    """The step knobs of `plan` that differ from TensorFlow's defaults, as "; ..." clauses (empty when none)."""
+    """The step options of `plan` that differ from TensorFlow's defaults, as "; ..." clauses (empty when none)."""
     parts = []
     if plan.xla_flags:
         parts.append("XLA_FLAGS += " + " ".join(plan.xla_flags))
@@ -174,7 +174,7 @@ def summary_clauses(plan) -> str:
 
 
 def report_text(record: dict) -> str:
-    """Every knob of a plan record (`Plan.to_dict()`), for the report's "knobs" line."""
+    """Every step option of a plan record (`Plan.to_dict()`), for the report's "options" line."""
     added, kept = record.get("xla_flags") or [], record.get("xla_flags_kept") or []
     flags = ("XLA_FLAGS += " + " ".join(added)) if added else "no XLA flags added"
     if kept:

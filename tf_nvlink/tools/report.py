@@ -59,7 +59,7 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
     data.update({
         "tf_nvlink_version": tf_nvlink.__version__,
         "no_gpu": not topology.gpus,
-        "kind": topology.kind(),
+        "shape": topology.shape(),
         "fully_nvlink_connected": bool(topology.gpus) and topology.is_nvlink_connected(topology.indices),
         "pairs_without_nvlink": [[p.a, p.b] for p in topology.pairs if not p.nvlink],
         "matrix": _matrix(topology),
@@ -266,7 +266,7 @@ def _render_facts(data: dict) -> str:
     if len(data["gpus"]) == 1:
         connected = "yes (one GPU)"
     elif data["fully_nvlink_connected"]:
-        connected = f"yes ({data['kind']})"
+        connected = f"yes ({data['shape']})"
     else:
         missing = data["pairs_without_nvlink"]
         total = len(data["pairs"])
@@ -339,7 +339,7 @@ def _render_plans(data: dict) -> str:
                   f"  ops        {_plan_ops(plan)}" + (f" ({plan['tensorflow_class']})"
                                                        if plan.get("tensorflow_class") else ""),
                   f"  XLA        {_XLA_MODES.get(plan.get('xla_allreduce'), plan.get('xla_allreduce'))}",
-                  f"  knobs      {step_options.report_text(plan)}",
+                  f"  options    {step_options.report_text(plan)}",
                   f"  reason     {plan['reason']}"]
     if auto.get("error"):
         lines.append(f"gpus='auto' would fail: {auto['error']}")

@@ -136,7 +136,7 @@ class Target:
     n: int  # replicas
     gpus: tuple[int, ...] = ()  # NVML indices (empty on CPU)
     fingerprint: str = ""
-    shape: str = ""  # Topology.kind()
+    shape: str = ""  # Topology.shape()
     note: str = ""
 
     @property
@@ -183,7 +183,7 @@ def resolve_target(devices: str = "gpu", gpus="all", topology=None) -> Target:
         raise BenchError(f"--gpus {gpus!r} selects no GPU among {list(visible)}.")
     gbps = topology.min_pair_gbps(chosen) if len(chosen) > 1 else 0.0
     note = policy.nvlink_text(gbps)
-    return Target("GPU", len(chosen), tuple(chosen), topology.fingerprint(), topology.kind(chosen), note)
+    return Target("GPU", len(chosen), tuple(chosen), topology.fingerprint(), topology.shape(chosen), note)
 
 
 def skip_reason(candidate: Candidate, target: Target) -> Optional[str]:

@@ -29,7 +29,7 @@ def link_for_topology(topology: Topology, gpus: Optional[Iterable[int]] = None, 
     if pcie not in LINKS or not pcie.startswith("pcie"):
         raise ValueError(f"pcie must be one of {[n for n in LINKS if n.startswith('pcie')]}. Received: pcie={pcie!r}")
     chosen = sorted(set(topology.indices if gpus is None else gpus))
-    kind = topology.kind(chosen)
+    kind = topology.shape(chosen)
     if kind in ("none", "single"):
         raise ValueError(f"link_for_topology needs 2 or more GPUs; the chosen GPUs {chosen} are '{kind}'. "
                          f"This machine has GPUs {list(topology.indices)}.")

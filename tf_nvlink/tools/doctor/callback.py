@@ -59,7 +59,7 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
     link, kind = None, getattr(plan, "shape", "unknown") if plan is not None else "unknown"
     topology = nvml_module.probe(nvml) if chosen else None
     if topology is not None and not topology.error:
-        kind = topology.kind(chosen)
+        kind = topology.shape(chosen)
         # one replica on a machine of several GPUs: its first two GPUs' links stand for "this machine's links"
         linked = chosen if len(chosen) >= 2 else tuple(topology.indices[:2])
         if len(linked) >= 2:

@@ -26,7 +26,7 @@ Candidates (`candidates.Candidate`: a base and its `@` modifiers):
   `@ondevice`, `@customloop` (TensorFlow's custom-training-guide loop instead of `model.fit`: a
   `tf.function(jit_compile=...)` step run by `strategy.run`, called per batch from Python, timed up to the
   last step's loss on the host);
-- knob modifiers for tf_nvlink strategies, each measured against the same name without it: `@nolhs`
+- step-option modifiers for tf_nvlink strategies, each measured against the same name without it: `@nolhs`
   (xla_flags="none": no latency-hiding scheduler), `@bf16grad` (allreduce_dtype="bfloat16"), `@buffer1`
   (input_buffer=1, TensorFlow's default prefetch depth), `@split`/`@fused` (XLA all-reduce mode), `@nosync`
   (TF_NVLINK_SYNC_NON_TRAINABLE=0: replicas keep their own BatchNorm statistics, what the sync costs);
@@ -61,7 +61,7 @@ from tf_nvlink.util.error_lines import one_line_error
 MODELS = models.BENCH_MODELS  # built by models.build_bench_model
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica
 IMAGE_MODELS, INPUTS = models.IMAGE_MODELS, models.INPUTS  # uint8-fed models; host- or device-held input
-# Knob modifier -> (what the table's ratio line calls it, True when the modifier turns the knob ON).
+# Step-option modifier -> (what the table's ratio line calls it, True when the modifier turns the option ON).
 KNOB_LINES = {"nolhs": ("latency-hiding scheduler on/off", False),
               "bf16grad": ("bfloat16/float32 gradient all-reduce", True),
               "buffer1": ("plan's input buffer/buffer 1", False),
@@ -271,7 +271,7 @@ def _one_device_baselines(ok: dict[Candidate, dict]) -> dict[str, dict]:
 def render_table(results: list[dict]) -> str:
     """Examples/s (tokens/s for Transformers) per candidate, with speed-up over 1 GPU (fed the same way) and
     scaling efficiency = thr_N / (N x thr_1), spread of the rounds, NVLink speed-up for each `@nop2p` pair, the
-    on/off ratio of each knob pair (`@nolhs`, `@bf16grad`, `@buffer1`, `@nocudagraphs`, `@ondevice`), and, when
+    on/off ratio of each step-option pair (`@nolhs`, `@bf16grad`, `@buffer1`, `@nocudagraphs`, `@ondevice`), and, when
     the records have them, the steady-state table (long fit minus short fit) and the fixed cost of a fit call.
 
     Example:
@@ -317,7 +317,7 @@ def _main_rows(results: list[dict], ok: dict[Candidate, dict], unit: str) -> lis
 
 
 def _pair_lines(ok: dict[Candidate, dict], unit: str) -> list[str]:
-    """One line per measured pair: NVLink speed-up (`@nop2p`), BatchNorm sync cost (`@nosync`), knob ratios."""
+    """One line per measured pair: NVLink speed-up (`@nop2p`), BatchNorm sync cost (`@nosync`), step-option ratios."""
     lines = []
     for candidate, record in ok.items():
         base = candidate.without("nop2p")
