@@ -35,7 +35,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tf_nvlink.tools import bench_stats  # noqa: E402
-from tf_nvlink.tools.training_bench import models as bench_models  # noqa: E402
+from tf_nvlink.tools import bench_models  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}

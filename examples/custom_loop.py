@@ -31,7 +31,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
 from tf_nvlink.tools import digits_data
-from tf_nvlink.tools.training_bench import models
+from tf_nvlink.tools import bench_models
 from tf_nvlink.plan import policy
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_custom_loop"
@@ -83,7 +83,7 @@ class Trainer:
     def __init__(self, strategy, global_batch, learning_rate, jit_compile):
         self.strategy, self.global_batch = strategy, global_batch
         with strategy.scope():
-            self.model = models.mnist_mlp()
+            self.model = bench_models.mnist_mlp()
             self.optimizer = keras.optimizers.Adam(learning_rate)
             self.optimizer.build(self.model.trainable_variables)  # its variables exist before the first trace
         self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)

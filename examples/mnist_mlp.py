@@ -40,16 +40,16 @@ from tf_nvlink.tools import digits_data
 from tf_nvlink.plan import policy
 
 # TensorFlow and Keras are imported by import_tensorflow(), when main() starts: --help and --helpfull stay fast.
-keras = tf = safe_callbacks = models = None
+keras = tf = safe_callbacks = bench_models = None
 
 
 def import_tensorflow():
     """Import TensorFlow, Keras and the tf_nvlink modules that need them (once)."""
-    global keras, tf, safe_callbacks, models
+    global keras, tf, safe_callbacks, bench_models
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
     from tf_nvlink.training import callbacks as safe_callbacks  # noqa: PLC0415
-    from tf_nvlink.tools.training_bench import models  # noqa: PLC0415
+    from tf_nvlink.tools import bench_models  # noqa: PLC0415
 
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_mnist"
@@ -256,7 +256,7 @@ def main(argv):
 
     train, test = make_datasets(data, global_batch, epoch.repeats, epoch.forever, seed=_SEED.value)
     with strategy.scope():
-        model = models.compiled_mnist_mlp(jit_compile=_JIT_COMPILE.value)
+        model = bench_models.compiled_mnist_mlp(jit_compile=_JIT_COMPILE.value)
     timer = epoch_timer()
     model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=_STEPS_PER_EPOCH.value, shuffle=False, verbose=2,
               callbacks=make_callbacks(model_dir) + [timer]

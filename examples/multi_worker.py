@@ -46,7 +46,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 from tf_nvlink.util import atomic_files
 from tf_nvlink.training import callbacks as safe_callbacks
 from tf_nvlink.tools import digits_data
-from tf_nvlink.tools.training_bench import models
+from tf_nvlink.tools import bench_models
 from tf_nvlink.distribute import multi_worker, rendezvous
 from tf_nvlink.machine import cluster_config
 
@@ -160,7 +160,7 @@ def main(argv):
 
     train, test = make_datasets(data, global_batch, seed=_SEED.value)
     with strategy.scope():
-        model = models.compiled_mnist_mlp()
+        model = bench_models.compiled_mnist_mlp()
     chief = strategy.extended.should_checkpoint
     resume = safe_callbacks.AtomicBackupAndRestore(backup_dir, write=chief)  # the chief writes, everyone restores
     history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=steps, shuffle=False,

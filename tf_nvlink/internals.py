@@ -881,11 +881,3 @@ def xplane_protobuf_module():
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
 
     return xplane_pb2
-
-
-def read_profiler_trace(path: str):
-    """The `XSpace` protobuf of one TensorFlow profiler trace file (`*.xplane.pb`); see `xplane_protobuf_module`."""
-    space = xplane_protobuf_module().XSpace()
-    with open(path, "rb") as trace:
-        space.ParseFromString(trace.read())
-    return space

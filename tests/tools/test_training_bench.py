@@ -6,7 +6,8 @@ import pytest
 from conftest import run_python
 from tf_nvlink.tools import bench_stats
 from tf_nvlink.tools.training_bench import cli as training_bench
-from tf_nvlink.tools.training_bench import models, worker
+from tf_nvlink.tools import bench_models
+from tf_nvlink.tools.training_bench import worker
 from tf_nvlink.tools.training_bench.candidates import Candidate, parse_list
 
 
@@ -228,14 +229,14 @@ def test_table_warns_when_rounds_overlap_and_scales_against_the_best_one_device_
 
 
 def test_host_batches_come_in_the_dtypes_users_feed():
-    images, labels = models.synthetic_batch("convnet", 6)
+    images, labels = bench_models.synthetic_batch("convnet", 6)
     assert images.dtype == "uint8" and images.shape == (6, 16, 16, 3) and labels.dtype == "int32"
-    tokens, targets = models.synthetic_batch("transformer_tiny", 3)
+    tokens, targets = bench_models.synthetic_batch("transformer_tiny", 3)
     assert tokens.dtype == targets.dtype == "int32" and tokens.shape == targets.shape == (3, 16)
     assert (tokens[:, 1:] == targets[:, :-1]).all()  # next-token targets
-    features, _ = models.synthetic_batch("mlp", 2)
+    features, _ = bench_models.synthetic_batch("mlp", 2)
     assert features.dtype == "float32" and features.shape == (2, 784)
-    big = models.TRANSFORMER_CONFIGS["transformer"]
+    big = bench_models.TRANSFORMER_CONFIGS["transformer"]
     assert (big["d_model"], big["num_layers"], big["num_heads"], big["seq_len"]) == (1024, 24, 16, 512)
 
 
@@ -245,17 +246,17 @@ def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
     import keras
     import numpy as np
 
-    x, _ = models.synthetic_batch(name, 4)
+    x, _ = bench_models.synthetic_batch(name, 4)
     keras.utils.set_random_seed(1)
-    host = models.build_bench_model(name, x, keras, "host")
+    host = bench_models.build_bench_model(name, x, keras, "host")
     keras.utils.set_random_seed(1)  # the same initial weights
-    device = models.build_bench_model(name, x, keras, "device")
+    device = bench_models.build_bench_model(name, x, keras, "device")
     order = np.array([2, 0, 3, 1], dtype="int32")
     np.testing.assert_allclose(device.predict(order, verbose=0), host.predict(x[order], verbose=0), rtol=1e-5)
     assert len(device.trainable_variables) == len(host.trainable_variables)  # the held batch is not trained
     assert host.inputs[0].dtype == x.dtype and device.inputs[0].dtype == "int32"
     with pytest.raises(ValueError, match="input should be one of \\['host', 'device'\\]"):
-        models.build_bench_model(name, x, keras, "disk")
+        bench_models.build_bench_model(name, x, keras, "disk")
 
 
 @pytest.mark.parametrize("model, candidates", [
@@ -275,9 +276,9 @@ def test_bench_workers_train_on_two_cpu_replicas(model, candidates, tmp_path):
         assert records[1]["xla_flags_env"] is None or "command_buffer" not in records[1]["xla_flags_env"]
         assert records[1]["allreduce_dtype"] == "bfloat16" and "all-reduced in bfloat16" in records[1]["plan"]
         traced = records[1]["profile"]
-        assert traced["logdir"] == str(tmp_path / "profile" / "auto_bf16grad")
-        assert traced["trace"].endswith(".xplane.pb")
-        assert traced["host_top"], traced  # the busiest host ops of the traced steps
+        assert traced["logdir"] == str(tmp_path / "profile" / "auto_bf16grad")  # the step doctor's window
+        assert "GPU" in traced["unavailable"] and traced["verdict"] is None  # CPU replicas: no GPU plane, said so
+        assert list((tmp_path / "profile" / "auto_bf16grad" / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     else:
         assert [r["input"] for r in records] == ["host", "device"]
         assert records[0]["tokens_per_s"] == pytest.approx(16 * records[0]["examples_per_s"])

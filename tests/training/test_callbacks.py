@@ -16,7 +16,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
     import keras, mnist_mlp
     from tf_nvlink.training import callbacks
 
-    from tf_nvlink.tools.training_bench import models
+    from tf_nvlink.tools import bench_models
     from tf_nvlink.tools import tune
     from tf_nvlink.plan import tune_cache
     backup = {backup!r}
@@ -24,7 +24,7 @@ BACKUP_SCRIPT = textwrap.dedent("""
     y = np.arange(64) % 10
 
     def model():
-        m = models.compiled_mnist_mlp()
+        m = bench_models.compiled_mnist_mlp()
         m.build((None, 784))
         return m
 

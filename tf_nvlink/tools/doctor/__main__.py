@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from tf_nvlink.tools.training_bench.models import BENCH_MODELS
+from tf_nvlink.tools.bench_models import BENCH_MODELS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

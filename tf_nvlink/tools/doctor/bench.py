@@ -1,7 +1,7 @@
 """Training a benchmark model with the step doctor riding along: the shared part of `python -m
 tf_nvlink.tools.doctor`, `examples/benchmark.py --step_doctor` and `benchmarks/step_doctor.py`.
 
-The models and their host input are the training benchmark's (`tf_nvlink.tools.training_bench.models`): a uint8
+The models and their host input are the training benchmark's (`tf_nvlink.tools.bench_models`): a uint8
 host batch through tf.data, cast on the device, `mixed_bfloat16`, SGD with momentum, XLA, `tf_nvlink.strategy()`.
 
 Example:
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from tf_nvlink.tools.training_bench import models
+from tf_nvlink.tools import bench_models
 
 
 def configure(cpu_devices: int = 0, mixed_precision: bool = True):
@@ -48,7 +48,7 @@ def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_exec
     import tensorflow as tf  # noqa: PLC0415
 
     global_batch = batch_per_replica * strategy.num_replicas_in_sync
-    x, y = models.synthetic_batch(model_name, global_batch)
+    x, y = bench_models.synthetic_batch(model_name, global_batch)
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -56,7 +56,7 @@ def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_exec
     if jit_compile is None:
         jit_compile = bool(tf.config.list_logical_devices("GPU"))
     with strategy.scope():
-        model = models.build_bench_model(model_name, x, keras, "host")
+        model = bench_models.build_bench_model(model_name, x, keras, "host")
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
                       jit_compile=jit_compile, steps_per_execution=steps_per_execution)

@@ -8,8 +8,8 @@ time of one whole `model.fit(ds, steps_per_epoch=steps)` call after a warm-up fi
 (default 3) runs the candidate list that many times, interleaved (even rounds in reverse order), and reports each
 candidate's median round with the spread, warning when rounds disagree more than the medians differ.
 `--long_steps L` adds a fit of L steps to each round: the difference from the short fit is the steady-state step
-time, the rest the fixed cost of each fit call. `--profile DIR` traces a few steps of each candidate with
-TensorFlow's profiler into DIR/<candidate>/ and records where each GPU's step time goes. `--input device` (or
+time, the rest the fixed cost of each fit call. `--profile DIR` runs the step doctor on a few steps of each
+candidate (`tf_nvlink.StepDoctor`, its trace in DIR/<candidate>/) and records its verdict and breakdown. `--input device` (or
 the modifier `@ondevice`) keeps the batch on each device instead: it lives in a non-trainable variable on every
 replica's device (copied there once, when the model is built) and tf.data carries only int32 example indices and
 the labels from the host, so the step is measured without the image copies.
@@ -53,14 +53,14 @@ import time
 from typing import Optional, Sequence, Union
 
 from tf_nvlink.tools import bench_stats
-from tf_nvlink.tools.training_bench import models
+from tf_nvlink.tools import bench_models
 from tf_nvlink.tools.training_bench.candidates import Candidate, parse_list
 from tf_nvlink.util import atomic_files, json_workers
 from tf_nvlink.util.error_lines import one_line_error
 
-MODELS = models.BENCH_MODELS  # built by models.build_bench_model
+MODELS = bench_models.BENCH_MODELS  # built by bench_models.build_bench_model
 DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica
-IMAGE_MODELS, INPUTS = models.IMAGE_MODELS, models.INPUTS  # uint8-fed models; host- or device-held input
+IMAGE_MODELS, INPUTS = bench_models.IMAGE_MODELS, bench_models.INPUTS  # uint8-fed models; host- or device-held input
 # Step-option modifier -> (what the table's ratio line calls it, True when the modifier turns the option ON).
 KNOB_LINES = {"nolhs": ("latency-hiding scheduler on/off", False),
               "bf16grad": ("bfloat16/float32 gradient all-reduce", True),
@@ -126,7 +126,7 @@ def run_candidates(model_name: str, candidates: Sequence[Union[Candidate, str]],
     _check_run_arguments(model_name, rounds, input_mode, steps, long_steps)
     batch = batch_per_replica or DEFAULT_BATCH[model_name]
     # bfloat16 compute where it pays on GPUs: ResNet-50 and the Transformer (the tiny one mirrors the big one).
-    mixed = (model_name == "resnet50" or model_name in models.TRANSFORMER_CONFIGS) if mixed_precision is None \
+    mixed = (model_name == "resnet50" or model_name in bench_models.TRANSFORMER_CONFIGS) if mixed_precision is None \
         else mixed_precision
     settings = dict(model_name=model_name, batch=batch, steps=steps, jit=jit, mixed=mixed, cpu_devices=cpu_devices,
                     timeout=timeout, input_mode=input_mode, warmup_steps=warmup_steps, long_steps=long_steps,
@@ -415,9 +415,17 @@ def _footer_lines(results: list[dict], ok: dict[Candidate, dict]) -> list[str]:
         lines.append("# NVLink/expected: bytes per step per GPU over NVLink (NVLinkMonitor, NVML counters) / the "
                      "all-reduce of the gradients (2(n-1)/n x gradient bytes)"
                      + (f"; n/a: {'; '.join(reasons)}" if reasons else ""))
-    lines += [f"# profile {r['candidate']}: {r['profile'].get('logdir', '')}" for r in ok.values() if "profile" in r]
+    lines += [f"# step doctor {r['candidate']}: {_doctor_line(r['profile'])}" for r in ok.values() if "profile" in r]
     lines += [f"# {p}" for p in sorted({r["plan"] for r in results if r.get("plan")})]
     return lines
+
+
+def _doctor_line(profile: dict) -> str:
+    """The step doctor's verdict and first advice for a profiled candidate, or why it has none, and its folder."""
+    verdict = profile.get("verdict") or {}
+    advice = (verdict.get("advice") or [{}])[0].get("change")
+    said = (f"{verdict['kind']}" + (f", try {advice}" if advice else "")) if verdict else profile.get("unavailable")
+    return f"{said} ({profile.get('logdir', '')})"
 
 
 def _parser():
@@ -447,7 +455,7 @@ def _parser():
                              "gives the steady-state step time and the fixed cost of each fit call")
     parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option (default 1)")
     parser.add_argument("--profile", default="",
-                        help="trace --profile_steps steps of each candidate (first round) with TensorFlow's profiler "
+                        help="the step doctor on --profile_steps steps of each candidate (first round; its trace and report "
                              "into this folder, one subfolder per candidate, and record where the step time goes")
     parser.add_argument("--profile_steps", type=int, default=10)
     parser.add_argument("--json", default="", help="also write the records to this JSON file")

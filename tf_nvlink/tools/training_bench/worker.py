@@ -15,7 +15,7 @@ import os
 import time
 from typing import Optional
 
-from tf_nvlink.tools.training_bench import models
+from tf_nvlink.tools import bench_models
 from tf_nvlink.tools.training_bench.candidates import Candidate
 
 
@@ -51,7 +51,7 @@ def run_worker(model_name: str, candidate: Candidate, batch_per_replica: int, st
     x, dataset = synthetic_dataset(tf, model_name, global_batch, input_mode)
     use_jit = jit and candidate.base != "stock"  # stock = what TensorFlow gives: Keras turns XLA off under it
     with strategy.scope():
-        model = models.build_bench_model(model_name, x, keras, input_mode)
+        model = bench_models.build_bench_model(model_name, x, keras, input_mode)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
                       jit_compile=use_jit, steps_per_execution=steps_per_execution)
@@ -95,7 +95,7 @@ def synthetic_dataset(tf, model_name: str, global_batch: int, input_mode: str):
     """(the host batch, a repeating tf.data pipeline of it): the batch itself, or its indices for "device"."""
     import numpy as np
 
-    x, y = models.synthetic_batch(model_name, global_batch)
+    x, y = bench_models.synthetic_batch(model_name, global_batch)
     features = x if input_mode == "host" else np.arange(global_batch, dtype="int32")
     dataset = tf.data.Dataset.from_tensors((features, y)).repeat().prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
@@ -171,19 +171,28 @@ def time_fits(train, plan, timing: Timing, candidate: Candidate) -> dict:
 
 
 def profile_fit(train, timing: Timing, candidate: Candidate) -> dict:
-    """Trace `timing.profile_steps` steps with TensorFlow's profiler into profile_dir/<candidate>/ and summarize
-    the trace (where each GPU's step time goes)."""
+    """A fit with the step doctor tracing `timing.profile_steps` steps into profile_dir/<candidate>/: its verdict,
+    advice and per-step breakdown go into the record (a custom loop is traced without the doctor's reading)."""
     import tensorflow as tf
 
-    from tf_nvlink.tools.training_bench import trace_summary
-
     logdir = os.path.join(timing.profile_dir, candidate.label.replace("@", "_"))
-    tf.profiler.experimental.start(logdir)
-    try:
-        train(timing.profile_steps)
-    finally:
-        tf.profiler.experimental.stop()
-    return dict(trace_summary.summarize_trace(logdir, timing.profile_steps), logdir=logdir)
+    if candidate.customloop:
+        tf.profiler.experimental.start(logdir)
+        try:
+            train(timing.profile_steps)
+        finally:
+            tf.profiler.experimental.stop()
+        return {"logdir": logdir, "unavailable": "custom loop: the step doctor is a model.fit callback"}
+    from tf_nvlink.tools.doctor.callback import StepDoctor
+
+    steps_per_call = max(timing.steps_per_execution, 1)
+    doctor = StepDoctor(warmup_steps=steps_per_call, window_steps=timing.profile_steps, output_dir=logdir,
+                        verbose=False)
+    calls = -(-(steps_per_call + timing.profile_steps + 2 * steps_per_call) // steps_per_call)
+    train(calls * steps_per_call, [doctor])
+    report = doctor.report or {}
+    return {"logdir": logdir, "unavailable": doctor.unavailable, "verdict": report.get("verdict"),
+            "mean": report.get("mean")}
 
 
 def steady_state(fit_s: float, long_fit_s: Optional[float], steps: int, long_steps: int) -> dict:
@@ -234,8 +243,8 @@ def make_record(model_name: str, candidate: Candidate, model, plan, replicas: in
             record["steady_examples_per_s"] = global_batch / steady["steady_step_s"]
     if measured["profile"] is not None:
         record["profile"] = measured["profile"]
-    if model_name in models.TRANSFORMER_CONFIGS:
-        tokens = models.bench_input_shape(model_name)[0]
+    if model_name in bench_models.TRANSFORMER_CONFIGS:
+        tokens = bench_models.bench_input_shape(model_name)[0]
         record["tokens_per_s"] = record["examples_per_s"] * tokens
         if "steady_examples_per_s" in record:
             record["steady_tokens_per_s"] = record["steady_examples_per_s"] * tokens

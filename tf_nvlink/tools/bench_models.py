@@ -2,9 +2,9 @@
 (`bench_body`, `build_bench_model`: ResNet-50, a small convnet, Transformer LMs) with their synthetic input.
 
 Example:
-    >>> from tf_nvlink.tools.training_bench import models
+    >>> from tf_nvlink.tools import bench_models
     >>> with tf_nvlink.strategy().scope():
-    ...     model = models.compiled_mnist_mlp(jit_compile=True)
+    ...     model = bench_models.compiled_mnist_mlp(jit_compile=True)
 """
 
 import functools
