@@ -272,6 +272,55 @@ def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(tmp_path):
     assert data["overhead_s"] < 30
 
 
+DOCTOR_ON_TWO_CPUS = r'''
+import json, sys
+import numpy as np, keras, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[3])
+import fake_nvml
+import tf_nvlink
+from tf_nvlink.tools.doctor import callback, diagnosis
+out, fixture = sys.argv[1], sys.argv[2]
+machine = fake_nvml.h200_x2()
+real_diagnose = diagnosis.diagnose_trace
+def diagnose_the_gpu_trace(profile_dir, **kwargs):  # the CPU trace has no GPU plane: read the 1x H200 one instead
+    return real_diagnose(fixture, **kwargs)
+callback.diagnose_trace = diagnose_the_gpu_trace
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+x = np.ones((64, 8), "float32"); y = np.ones((64, 1), "float32")
+doctor = tf_nvlink.StepDoctor(warmup_steps=2, window_steps=3, output_dir=out, global_batch=8, gpus=[0, 1],
+                              nvml=fake_nvml.FakeNvml(machine))
+tensorboard = keras.callbacks.TensorBoard(log_dir=out + "/tb")
+traffic = keras.callbacks.LambdaCallback(  # what an all-reduce would move over NVLink every step
+    on_train_batch_begin=lambda batch, logs: fake_nvml.transfer(machine, 0, 1, 3 << 20))
+model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[traffic, doctor, tensorboard])
+print(json.dumps({"unavailable": doctor.unavailable, "files": doctor.files, "report": doctor.report}))
+'''
+
+
+@pytest.mark.skipif(not (FIXTURE / "observation.json").exists(), reason=f"no GPU trace fixture at {FIXTURE}")
+def test_doctor_on_two_replicas_reads_the_counters_and_writes_every_output(tmp_path):
+    """Two CPU replicas with a fake 2x H200 NVML: the window reads the NVLink counters through NvLinkCounterReader,
+    and with a GPU trace (the 1x H200 fixture stands in for the CPU trace) the doctor prints its table and writes
+    the JSON, the chart and TensorBoard scalars."""
+    result = run_python(["-c", DOCTOR_ON_TWO_CPUS, str(tmp_path), str(FIXTURE / "profile"),
+                         str(Path(__file__).resolve().parents[1])], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["unavailable"] is None and data["report"]["verdict"]["kind"] in ("host-bound", "input-bound")
+    assert data["report"]["context"]["replicas"] == 2  # this model's float32 input: the copy's advice is uint8
+    assert "step doctor (ms/step)" in result.stdout  # the table
+    assert data["report"]["nvlink_bytes_per_step"] > 0  # the counters moved during the window
+    assert set(data["files"]) >= {"json", "tensorboard"}
+    assert list(Path(data["files"]["tensorboard"]).glob("events.out.tfevents.*"))
+    if "png" in data["files"]:  # matplotlib installed
+        assert Path(data["files"]["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.skipif(not (FIXTURE / "observation.json").exists(),
                     reason=f"no GPU trace fixture at {FIXTURE} (written on a GPU machine by benchmarks/step_doctor.py "
                            "--models resnet50 --trace_out tests/tools/fixtures)")
