@@ -66,7 +66,7 @@ _NUM_PACKS = flags.DEFINE_integer(
     "num_packs", None, "Gradient buffers per all-reduce for 'nccl'/'hierarchical' (0: no packing); "
     "unset: tf_nvlink's choice.", lower_bound=0)
 _BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size", 1024, "GLOBAL batch size, split evenly across replicas (must be divisible by their number).",
+    "batch_size", 1024, "GLOBAL batch size, split across the replicas (any size: each trains by its share).",
     lower_bound=1)
 _EPOCHS = flags.DEFINE_integer("epochs", 10, "Training epochs.", lower_bound=1)
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
@@ -88,15 +88,18 @@ _MONITOR_NVLINK = flags.DEFINE_bool(
     "all-reduce should.")
 
 
-def replica_batch(global_batch, num_replicas):
-    """The per-replica batch; app.UsageError unless the global batch splits evenly over the replicas."""
-    if global_batch % num_replicas:
-        lower = global_batch // num_replicas * num_replicas
-        hint = f"{lower} or {lower + num_replicas}" if lower else f"{num_replicas}"
-        raise app.UsageError(
-            f"--batch_size={global_batch} (the global batch) is not divisible by the {num_replicas} replicas; "
-            f"use a multiple of {num_replicas}, e.g. {hint}.")
-    return global_batch // num_replicas
+def replica_split(global_batch, num_replicas):
+    """How the global batch splits over the replicas, e.g. "4 + 3" or "32 per replica". Any split trains as one
+    device would: each replica's loss counts by its share of the examples.
+
+    Example:
+        >>> replica_split(7, 2)
+        '4 + 3'
+    """
+    base, extra = divmod(global_batch, num_replicas)
+    if not extra:
+        return f"{base} per replica"
+    return " + ".join(str(base + 1 if replica < extra else base) for replica in range(num_replicas))
 
 
 class EpochPlan(NamedTuple):
@@ -243,11 +246,11 @@ def main(argv):
     backup = check_model_dir(model_dir)
     keras.utils.set_random_seed(_SEED.value)
     strategy = make_strategy(_GPUS.value, _CROSS_DEVICE_OPS.value, _NUM_PACKS.value)
-    per_replica = replica_batch(global_batch, strategy.num_replicas_in_sync)
+    per_replica = replica_split(global_batch, strategy.num_replicas_in_sync)
     data = digits_data.load_mnist_or_fallback(_DATASET.value)
     print(f"dataset: {data.description}", flush=True)
     epoch = EpochPlan.make(len(data.x_train), global_batch, _STEPS_PER_EPOCH.value)
-    print(f"replicas: {strategy.num_replicas_in_sync}, global batch {global_batch} = {per_replica} per replica, "
+    print(f"replicas: {strategy.num_replicas_in_sync}, global batch {global_batch} = {per_replica}, "
           f"{epoch.steps} steps per epoch{epoch.note()}", flush=True)
     logs = "logs/ (TensorBoard)" if tensorboard_installed() else "no TensorBoard logs (pip install tensorboard)"
     print(f"model_dir: {model_dir}: checkpoints/, backup/, {logs}", flush=True)

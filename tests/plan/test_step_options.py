@@ -148,8 +148,8 @@ print(json.dumps({"env": os.environ.get("XLA_FLAGS"), "flags": p.xla_flags, "kep
 
 @pytest.mark.parametrize("user, expected_env, expected_kept", [
     (None, LHS, []),
-    ("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_gpu_enable_latency_hiding_scheduler=false",
-     ["--xla_gpu_enable_latency_hiding_scheduler=false"]),
+    pytest.param("--xla_gpu_enable_latency_hiding_scheduler=false", "--xla_gpu_enable_latency_hiding_scheduler=false",
+                 ["--xla_gpu_enable_latency_hiding_scheduler=false"], marks=pytest.mark.slow),  # merge: unit-tested
 ], ids=["no_user_flags", "user_flag_wins"])
 def test_strategy_sets_xla_flags_before_xla_compiles(user, expected_env, expected_kept):
     """On CPUs "auto" adds nothing, so the explicit list stands in for a 2-GPU fused plan; XLA (CPU) accepts the
@@ -208,6 +208,7 @@ def test_bfloat16_allreduce_trains_close_to_float32_and_really_reduces_bfloat16(
     assert 1e-5 < results["bfloat16"]["diff"] < 2e-3
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_fit_prefetches_to_each_replica_with_the_plans_buffer():
     """The strategy passes InputOptions(fetch to device, buffer K) to experimental_distribute_dataset when Keras
     gives none, and fit trains exactly as with TensorFlow's default options."""

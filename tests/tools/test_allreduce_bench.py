@@ -459,6 +459,7 @@ def test_gpu_exact_sum_check_accepts_the_recorded_h200_run():
         check_allreduce_records([r for r in records if r["candidate"] != "xla"], [2**20])
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_gpu_fit_check_runs_on_cpu_replicas():
     """The GPU fit test's script and comparison, rehearsed on 2 logical CPUs (split mode), so that a bug in the
     test itself shows up without a GPU."""

@@ -149,6 +149,7 @@ def test_table_says_ops_do_not_matter_under_fused_xla():
     assert line.startswith("# auto, hierarchical: the all-reduce ran inside XLA") and "nccl@split" not in line
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_benchmark_example_runs_candidates_in_their_own_processes(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_python(["examples/benchmark.py", "--model", "convnet", "--candidates", "1gpu,auto",
@@ -286,6 +287,7 @@ def test_bench_workers_train_on_two_cpu_replicas(model, candidates, tmp_path):
         assert "tokens/s" in training_bench.render_table(records)
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_custom_loop_candidate_trains_two_cpu_replicas_with_an_xla_step():
     """@customloop: TensorFlow's custom-training-guide loop (strategy.run of a jit_compile step) instead of fit."""
     record = training_bench.run_candidates("convnet", ["auto@customloop"], steps=2, warmup_steps=1, cpu_devices=2,

@@ -1,3 +1,4 @@
+import pytest
 """A custom loop's `jit_compile=True` step under `tf_nvlink.strategy()` on ONE GPU (tf_nvlink.training.install).
 
 On 1x H200 the guide-shaped loop (a jit step calling `optimizer.apply_gradients`, passed to `strategy.run` inside
@@ -57,6 +58,7 @@ def _run(mode):
     return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_one_gpu_custom_loop_with_jit_step_runs_fused_and_equals_single_device():
     (_, single), (proc, fused) = _run("single"), _run("fused")
     assert fused is not None, proc.stderr[-3000:]
@@ -142,6 +144,7 @@ def test_one_replica_fit_skips_the_all_reduce_and_equals_plain_keras():
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_one_replica_fit_with_steps_per_execution_works_and_equals_plain_keras():
     """Keras' multi-step loop (steps_per_execution > 1) around TensorFlow's one-replica all-reduce failed on the
     GPU path ("You must feed a value for placeholder tensor ... while/cond/Placeholder", as fused mode did on 2

@@ -102,7 +102,8 @@ def _check_agreement(out, synchronized=False):
     assert out["predict_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["plain", pytest.param("split", marks=pytest.mark.slow), "fused"])
+@pytest.mark.parametrize("mode", [pytest.param("plain", marks=pytest.mark.slow), pytest.param("split", marks=pytest.mark.slow),
+                                  "fused"])
 def test_replicas_agree_on_batch_norm_statistics_after_fit(mode):
     proc, out = _run(mode)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -121,6 +122,7 @@ def test_without_the_sync_replicas_drift_apart():
     assert out["diff"]["sequential/batch_normalization/moving_variance"] > 0.5
 
 
+@pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_synchronized_batch_norm_works_without_xla_and_uses_global_batch_statistics():
     proc, out = _run("plain", synchronized=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
