@@ -30,3 +30,14 @@ def test_cpu_candidates_leave_out_what_needs_gpus():
         "1gpu,stock,auto,collective,nccl,reduce_to_one,hierarchical,auto@nop2p,auto@fused,auto@split"))
     assert [c.label for c in kept] == ["1gpu", "stock", "auto", "collective", "reduce_to_one", "auto@split"]
     assert [c.label for c in dropped] == ["nccl", "hierarchical", "auto@nop2p", "auto@fused"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--steps", "0"], "should be >= 1"),
+    (["--steps", "10", "--long_steps", "5"], "--long_steps should be 0 or more than --steps=10"),
+    (["--candidates", "auto@turbo"], "turbo"),
+])
+def test_bad_arguments_are_usage_errors_naming_the_problem(argv, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        training_bench.main(argv)
+    assert info.value.code == 2 and needle in capsys.readouterr().err

@@ -465,3 +465,29 @@ def test_mnist_mlp_monitor_nvlink_flag_shows_the_figures_in_each_epoch_line(tmp_
                                          in line for line in epoch_lines), result.stdout
     said = [line for line in (result.stdout + result.stderr).splitlines() if "NVLinkMonitor:" in line]
     assert len(said) == 1 and "NVLink carried 0% of the expected all-reduce bytes" in said[0], said
+
+
+def test_strategy_gpus_maps_a_stock_strategys_gpus_by_pci_id(monkeypatch):
+    """A strategy without a tf_nvlink plan: its GPU devices are mapped to NVML indices by PCI bus id; a device
+    NVML does not know, a GPU-less strategy and a machine without NVML each say why."""
+    import types
+
+    from tf_nvlink import internals
+    from tf_nvlink.training.nvlink_sampling import strategy_gpus
+
+    descs = [("/device:GPU:0", "device: 0, name: NVIDIA H200, pci bus id: 0000:00:07.0, compute capability: 9.0"),
+             ("/device:GPU:1", "device: 1, name: NVIDIA H200, pci bus id: 0000:00:06.0, compute capability: 9.0")]
+    monkeypatch.setattr(internals, "tf_gpu_descs", lambda: descs)
+
+    def stock(*devices):
+        return types.SimpleNamespace(extended=types.SimpleNamespace(worker_devices=devices))
+
+    fake = FakeNvml(fake_nvml.h200_x2())
+    gpus = ("/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1")
+    assert strategy_gpus(stock(*gpus), fake) == ((1, 0), None)  # TF's GPU:0 is NVML's GPU 1 (00:07.0)
+    assert strategy_gpus(stock(gpus[0], "/device:GPU:7"), fake) == (
+        None, "TensorFlow's /device:GPU:7 matches no NVML GPU by PCI bus id")
+    indices, why = strategy_gpus(stock("/device:CPU:0"), fake)
+    assert indices is None and "no GPU: nothing crosses NVLink" in why
+    indices, why = strategy_gpus(stock(*gpus), FakeNvml(fake_nvml.no_driver()))
+    assert indices is None and why
