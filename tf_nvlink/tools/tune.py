@@ -31,7 +31,6 @@ import datetime
 import json
 import logging
 import math
-import shlex
 import sys
 from typing import Optional, Sequence, TextIO
 
@@ -40,7 +39,7 @@ from tf_nvlink.plan import allreduce_sizes, policy
 from tf_nvlink.plan.tune_cache import (CacheError, cache_path, cache_unusable_reason, entries, gpus_key, make_key,
                                        store, stored_choice, validate_record)
 from tf_nvlink.tools.allreduce_bench import cli, render, runner, specs
-from tf_nvlink.util.cli_args import argtype, command_line, usage_error
+from tf_nvlink.util.cli_args import argtype, command_line, run_as_module, usage_error
 from tf_nvlink.util.error_lines import write_failure
 
 log = logging.getLogger("tf_nvlink")
@@ -294,13 +293,7 @@ def _print_result(args: argparse.Namespace, result: TuneResult, env: dict) -> in
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m tf_nvlink.tools.tune ...`: the same as `tf-nvlink tune ...`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m tf_nvlink.tools.tune", description=HELP)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join(["python", "-m", "tf_nvlink.tools.tune", *argv])
-    args.subparser = parser
-    return run(args)
+    return run_as_module("tf_nvlink.tools.tune", HELP, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,19 @@ def usage_error(args: argparse.Namespace, message: str) -> int:
         parser.error(message)  # exits with status 2 and the usage line
     print(f"tf-nvlink bench: error: {message}", file=sys.stderr)
     return 2
+
+
+def run_as_module(prog: str, description: str, add_arguments, run, argv=None) -> int:
+    """`python -m <prog> ...` of a `tf-nvlink` subcommand: its arguments parsed from `argv`, the exact command line
+    kept for the output header, usage errors through this parser.
+
+    Example:
+        >>> run_as_module("tf_nvlink.tools.tune", HELP, add_arguments, run, ["--list"])
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["python", "-m", prog, *argv])
+    args.subparser = parser
+    return run(args)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 from typing import Optional, Sequence
 
 from tf_nvlink.util import atomic_files
-from tf_nvlink.util.cli_args import argtype, command_line, non_negative, positive, usage_error
+from tf_nvlink.util.cli_args import argtype, command_line, non_negative, positive, run_as_module, usage_error
 from tf_nvlink.tools.allreduce_bench.render import (check_plot_available, exit_code, plot, record_problem, render_p2p_ratio,
                                     render_summary, render_text, result_line)
 from tf_nvlink.tools.allreduce_bench.runner import measure, skipped_records
@@ -171,11 +170,5 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m tf_nvlink.tools.allreduce_bench ...`: the same as `tf-nvlink bench ...` (the workers: `tf_nvlink.tools.allreduce_bench.worker`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m tf_nvlink.tools.allreduce_bench", description=HELP)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join(["python", "-m", "tf_nvlink.tools.allreduce_bench", *argv])
-    args.subparser = parser
-    return run(args)
+    return run_as_module("tf_nvlink.tools.allreduce_bench", HELP, add_arguments, run, argv)
 
