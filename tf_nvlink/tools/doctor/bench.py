@@ -63,6 +63,18 @@ def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_exec
     return model, dataset, global_batch
 
 
+def steps_covering_the_window(warmup_steps: int, window_steps: int, steps_per_execution: int = 1) -> int:
+    """Steps of one fit that reach the doctor's window and close it: warm-up, window and two more calls, rounded up
+    to whole calls of `steps_per_execution` steps.
+
+    Example:
+        >>> steps_covering_the_window(20, 10, steps_per_execution=8)
+        48
+    """
+    spe = max(int(steps_per_execution or 1), 1)
+    return -(-(warmup_steps + window_steps + 2 * spe) // spe) * spe
+
+
 def doctor_fit(model: Any, dataset: Any, global_batch: int, output_dir: str, warmup_steps: int = 20,
                window_steps: int = 10, verbose: bool = True):
     """One `fit` of warmup + window + 2 steps with a StepDoctor; returns the doctor (its `report`)."""
@@ -71,7 +83,6 @@ def doctor_fit(model: Any, dataset: Any, global_batch: int, output_dir: str, war
     os.makedirs(output_dir, exist_ok=True)
     doctor = StepDoctor(warmup_steps=warmup_steps, window_steps=window_steps, output_dir=output_dir,
                         global_batch=global_batch, verbose=verbose)
-    spe = int(getattr(model, "steps_per_execution", 1) or 1)
-    steps = -(-(warmup_steps + window_steps + 2 * spe) // spe) * spe
+    steps = steps_covering_the_window(warmup_steps, window_steps, getattr(model, "steps_per_execution", 1))
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=[doctor])
     return doctor

@@ -183,13 +183,12 @@ def profile_fit(train, timing: Timing, candidate: Candidate) -> dict:
         finally:
             tf.profiler.experimental.stop()
         return {"logdir": logdir, "unavailable": "custom loop: the step doctor is a model.fit callback"}
+    from tf_nvlink.tools.doctor.bench import steps_covering_the_window
     from tf_nvlink.tools.doctor.callback import StepDoctor
 
-    steps_per_call = max(timing.steps_per_execution, 1)
-    doctor = StepDoctor(warmup_steps=steps_per_call, window_steps=timing.profile_steps, output_dir=logdir,
-                        verbose=False)
-    calls = -(-(steps_per_call + timing.profile_steps + 2 * steps_per_call) // steps_per_call)
-    train(calls * steps_per_call, [doctor])
+    warmup = max(timing.steps_per_execution, 1)  # one call before the window
+    doctor = StepDoctor(warmup_steps=warmup, window_steps=timing.profile_steps, output_dir=logdir, verbose=False)
+    train(steps_covering_the_window(warmup, timing.profile_steps, timing.steps_per_execution), [doctor])
     report = doctor.report or {}
     return {"logdir": logdir, "unavailable": doctor.unavailable, "verdict": report.get("verdict"),
             "mean": report.get("mean")}
