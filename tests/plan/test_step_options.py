@@ -1,6 +1,7 @@
 """Step options of the plan (tf_nvlink.plan.step_options.choose_step_options) and how the strategy applies them: XLA flags merged
 into XLA_FLAGS (the user's win), gradients all-reduced in bfloat16, input prefetched to each replica's device."""
 
+import dataclasses
 import json
 import os
 
@@ -90,7 +91,22 @@ def test_decide_chooses_the_step_options_for_the_final_plan():
     plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=0, no_gpu_cause="x"), asked_options=(
         [LHS], "float32", 3))
     assert plan.gpus == () and plan.xla_flags == (LHS,) and plan.input_buffer == 3  # explicit: as given
-    assert step_options.validate_request([LHS], "bfloat16", 1) == ((LHS,), "bfloat16", 1)
+    assert step_options.validate_request([LHS], "bfloat16", 1) == ((LHS,), "bfloat16", 1, True)
+    plan, _ = policy.decide(policy.Facts(topo, tf_gpu_count=2), asked_options=("auto", "float32", None, False))
+    assert plan.compiled_execution is False and "compiled execution off" in plan.summary()
+
+
+def test_compiled_execution_request_is_checked_and_said_in_the_summary():
+    with pytest.raises(ValueError, match=r"compiled_execution should be True .* or False .* Received: "
+                                         r"compiled_execution='yes'"):
+        step_options.validate_request(compiled_execution="yes")
+    fused = step_options.choose_step_options(plan_for("h200_x2"))
+    assert "steps_per_execution=N runs as one XLA program per replica" in fused.summary()
+    split = step_options.choose_step_options(dataclasses.replace(plan_for("h200_x2"), xla_allreduce="split"))
+    assert "one program per step (split mode all-reduces outside XLA)" in split.summary()
+    off = step_options.choose_step_options(plan_for("h200_x2"), compiled_execution=False)
+    assert "compiled execution off" in off.summary()
+    assert "compiled execution off" in step_options.report_text(off.to_dict())
 
 
 def test_apply_xla_flags_merges_into_the_environment():
@@ -144,6 +160,8 @@ m.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verb
 p = tf_nvlink.current_plan()
 print(json.dumps({"env": os.environ.get("XLA_FLAGS"), "flags": p.xla_flags, "kept": p.xla_flags_kept}))
 """
+
+import dataclasses
 
 
 @pytest.mark.parametrize("user, expected_env, expected_kept", [

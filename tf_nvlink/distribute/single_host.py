@@ -86,7 +86,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              devices: Optional[Sequence[str]] = None, topology: Optional[Topology] = None,
              xla_allreduce: str = "auto", cluster_resolver=None,
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
-             input_buffer: Optional[int] = None,
+             input_buffer: Optional[int] = None, compiled_execution: bool = True,
              autotune_choice: Optional[facts_lib.AutotuneChoice] = None) -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
@@ -122,6 +122,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         input_buffer: batches `experimental_distribute_dataset` (Keras `fit`) prefetches to each replica's
             device when no `InputOptions` are given (None: 1 on GPUs, TensorFlow's own depth; TensorFlow's
             default options on CPUs).
+        compiled_execution: True (default): a model compiled with jit_compile=True and steps_per_execution=N > 1
+            runs each execution of N steps as ONE XLA program per replica, where the whole step is in XLA (one
+            GPU, or fused mode); False: one program per step, as Keras does (for comparison, or as a way out).
+            `tf_nvlink.training.compiled_execution` says how; the plan's summary says which path applies.
         autotune_choice: what measures the candidates for cross_device_ops="autotune" (`tf_nvlink.strategy()`
             passes `tf_nvlink.tools.tune.autotune_choice`); without it, "autotune" raises ValueError.
 
@@ -138,7 +142,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
     """
     _check_topology_and_timeout(topology, peer_timeout_s)
     # Checked before anything is built or recorded: a bad value costs nothing.
-    asked_options = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer)
+    asked_options = step_options.validate_request(xla_flags, allreduce_dtype, input_buffer, compiled_execution)
     if cross_device_ops == "autotune" and autotune_choice is None:
         raise ValueError("cross_device_ops='autotune' measures the candidates through tf_nvlink.strategy(); "
                          "call that, or pass autotune_choice=tf_nvlink.tools.tune.autotune_choice. Valid without "
@@ -153,7 +157,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
                 xla_allreduce=xla_allreduce), asked_options, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
-                                                                input_buffer=input_buffer))
+                                                                input_buffer=input_buffer,
+                                                                compiled_execution=compiled_execution))
         else:
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options,
                                  autotune_choice)
@@ -189,7 +194,8 @@ def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, sin
     checked to be at their defaults. Returns (strategy, plan)."""
     multi_worker.check_single_host_options(**single_host_options)
     if asked_options != step_options.DEFAULT_REQUEST:
-        raise ValueError("xla_flags, allreduce_dtype and input_buffer apply to single-host strategies; "
+        raise ValueError("xla_flags, allreduce_dtype, input_buffer and compiled_execution apply to single-host "
+                         "strategies; "
                          "leave them at their defaults with several workers. Received: "
                          + ", ".join(f"{name}={value!r}" for name, value in options.items()))
     built, plan = multi_worker.build_strategy(

@@ -59,7 +59,8 @@ class Plan:
     xla_flags: tuple[str, ...] = ()  # step options (tf_nvlink/step_options.py): flags tf_nvlink adds to XLA_FLAGS,
     xla_flags_kept: tuple[str, ...] = ()  # the user's XLA_FLAGS entries that won over a planned flag,
     allreduce_dtype: str = "float32"  # the dtype gradients are all-reduced in,
-    input_buffer: int = 0  # batches prefetched to each replica's device (0: TensorFlow's default options)
+    input_buffer: int = 0  # batches prefetched to each replica's device (0: TensorFlow's default options),
+    compiled_execution: bool = True  # and whether steps_per_execution=N may run as one XLA program per replica
 
     @property
     def on_cpu(self) -> bool:

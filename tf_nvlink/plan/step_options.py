@@ -46,8 +46,9 @@ ALLREDUCE_DTYPES = ("float32", "bfloat16")
 # 2x H200 (ResNet-50 host-fed, one process, 3 rounds: scaling 0.85 with 1 against 0.82 with 2, 0.86 vs 0.88 with 4;
 # docs/results.md). `strategy(input_buffer=N)` still sets another depth.
 GPU_INPUT_BUFFER = 1
-# What `strategy()` and `decide` take when the caller asks for nothing: (xla_flags, allreduce_dtype, input_buffer).
-DEFAULT_REQUEST = ("auto", "float32", None)
+# What `strategy()` and `decide` take when the caller asks for nothing: (xla_flags, allreduce_dtype, input_buffer,
+# compiled_execution).
+DEFAULT_REQUEST = ("auto", "float32", None, True)
 
 
 def xla_flag_name(flag: str) -> str:
@@ -133,16 +134,28 @@ def validate_allreduce_dtype(allreduce_dtype: str) -> str:
     return allreduce_dtype
 
 
-def validate_request(xla_flags="auto", allreduce_dtype: str = "float32", input_buffer: Optional[int] = None) -> tuple:
-    """Check a step-option request before anything is built; returns it hashable: (xla_flags, dtype, input_buffer)."""
+def validate_compiled_execution(compiled_execution) -> bool:
+    if not isinstance(compiled_execution, bool):
+        raise ValueError(f"compiled_execution should be True (steps_per_execution=N runs as one XLA program per "
+                         f"replica where the whole step is in XLA, the default) or False (one program per step). "
+                         f"Received: compiled_execution={compiled_execution!r}")
+    return compiled_execution
+
+
+def validate_request(xla_flags="auto", allreduce_dtype: str = "float32", input_buffer: Optional[int] = None,
+                     compiled_execution: bool = True) -> tuple:
+    """Check a step-option request before anything is built; returns it hashable: (xla_flags, dtype, input_buffer,
+    compiled_execution)."""
     validate_xla_flags(xla_flags)
     validate_allreduce_dtype(allreduce_dtype)
     choose_input_buffer(0, input_buffer)
-    return (tuple(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags, allreduce_dtype, input_buffer)
+    validate_compiled_execution(compiled_execution)
+    return (tuple(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags, allreduce_dtype, input_buffer,
+            compiled_execution)
 
 
 def choose_step_options(plan, user_xla_flags: str = "", xla_flags="auto", allreduce_dtype: str = "float32",
-                 input_buffer: Optional[int] = None):
+                        input_buffer: Optional[int] = None, compiled_execution: bool = True):
     """`plan` (a `policy.Plan`) with its step options chosen: XLA flags (merged under the user's `XLA_FLAGS` value,
     which wins), the gradient all-reduce dtype (float32 unless asked: bfloat16 halves the bytes but sums in 8 bits
     of mantissa), and the input prefetch depth per replica. `policy.decide` calls it last, on the final plan.
@@ -155,7 +168,25 @@ def choose_step_options(plan, user_xla_flags: str = "", xla_flags="auto", allred
     planned = choose_xla_flags(len(plan.gpus), plan.xla_allreduce, xla_flags)
     _, added, kept = merge_xla_flags(user_xla_flags, planned)
     return dataclasses.replace(plan, xla_flags=added, xla_flags_kept=kept, allreduce_dtype=allreduce_dtype,
-                               input_buffer=choose_input_buffer(len(plan.gpus), input_buffer))
+                               input_buffer=choose_input_buffer(len(plan.gpus), input_buffer),
+                               compiled_execution=validate_compiled_execution(compiled_execution))
+
+
+def execution_text(plan) -> str:
+    """How `steps_per_execution=N` runs for jit-compiled models under `plan` ("" on CPU replicas, which run it
+    step by step as Keras does); the model decides the rest (`tf_nvlink.training.compiled_execution`).
+
+    Example:
+        >>> execution_text(plan)     # 2 GPUs, fused
+        'steps_per_execution=N runs as one XLA program per replica'
+    """
+    if not plan.compiled_execution:
+        return "compiled execution off: steps_per_execution=N runs one program per step"
+    if not (plan.gpus or any("GPU" in device.upper() for device in plan.devices)):
+        return ""
+    if len(plan.gpus) > 1 and plan.xla_allreduce != "fused":
+        return "steps_per_execution=N runs one program per step (split mode all-reduces outside XLA)"
+    return "steps_per_execution=N runs as one XLA program per replica"
 
 
 def summary_clauses(plan) -> str:
@@ -170,7 +201,8 @@ def summary_clauses(plan) -> str:
     if plan.input_buffer:
         parts.append(f"input prefetched to each replica's device, {plan.input_buffer} "
                      f"batch{'es' if plan.input_buffer != 1 else ''} deep")
-    return "".join("; " + p for p in parts)
+    parts.append(execution_text(plan))
+    return "".join("; " + p for p in parts if p)
 
 
 def report_text(record: dict) -> str:
@@ -182,4 +214,5 @@ def report_text(record: dict) -> str:
     buffer = record.get("input_buffer") or 0
     return (f"{flags}; gradients all-reduced in {record.get('allreduce_dtype', 'float32')}; "
             + (f"input prefetched {buffer} batch{'es' if buffer != 1 else ''} deep per GPU" if buffer
-               else "TensorFlow's input options"))
+               else "TensorFlow's input options")
+            + ("" if record.get("compiled_execution", True) else "; compiled execution off"))

@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tf_nvlink import internals
 from tf_nvlink.distribute import base
-from tf_nvlink.training import exact_batches, gradient_allreduce, replica_sync
+from tf_nvlink.training import compiled_execution, exact_batches, gradient_allreduce, replica_sync
 from tf_nvlink.training.per_replica_steps import PerReplicaCustomStep, PerReplicaXlaStep
 
 log = internals.log
@@ -74,30 +74,47 @@ def _per_replica_wanted(model) -> bool:
 
 
 def _make_function(model, step_function: Callable, keras_make_function: Callable):
-    """The train/test function of a model under a tf_nvlink strategy (see the module doc)."""
+    """The train/test function of a model under a tf_nvlink strategy (see the module doc): the compiled
+    execution where it applies, else a per-step path that runs the steps the epoch asks for."""
+    kind = "train" if step_function == model.train_step else "test"
+    path, reason = compiled_execution.execution_path(model)
+    log.info("tf_nvlink: %s function, steps_per_execution=%d: %s (%s)", kind, model.steps_per_execution, path,
+             reason)
+    if path == compiled_execution.COMPILED:
+        step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))
+        return compiled_execution.CompiledExecution(model, step, internals.one_step_function(model, step))
+    function, step, outer_jit = _per_step_function(model, step_function, kind, keras_make_function)
+    one_step = internals.one_step_function(model, step, jit_compile=outer_jit and bool(model.jit_compile))
+    return compiled_execution.steps_asked_for(function, one_step, model.steps_per_execution)
+
+
+def _per_step_function(model, step_function: Callable, kind: str, keras_make_function: Callable):
+    """(function, the step it runs per replica, whether XLA spans the function around strategy.run)."""
     if not _per_replica_wanted(model):  # replica_sync.keep_replicas_in_sync: BatchNorm statistics
         step = replica_sync.keep_replicas_in_sync(model, step_function)
-        if step_function == model.train_step and model.distribute_strategy.num_replicas_in_sync > 1:
+        if kind == "train" and model.distribute_strategy.num_replicas_in_sync > 1:
             step = exact_batches.weighted_by_examples(step)  # every batch trains as on one device
-        return keras_make_function(step)
-    kind = "train" if step_function == model.train_step else "test"
+        return keras_make_function(step), step, True
     strategy = model.distribute_strategy
     step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))
     if model.steps_per_execution > 1 and internals.fused_allreduce_possible(strategy) \
             and strategy.xla_allreduce == "fused":
-        return internals.unrolled_steps_function(model, step)  # Keras' multi-step loop fails without merge_call
-    return keras_make_function(step, outer_jit=False)  # the function spanning the replicas: no one XLA cluster
+        # Keras' multi-step loop fails without merge_call; this one takes the steps the epoch asks for itself.
+        return internals.unrolled_steps_function(model, step), step, False
+    return keras_make_function(step, outer_jit=False), step, False  # no one XLA cluster spanning the replicas
 
 
 def install_keras_hooks() -> str | None:
     """Install the trainer hooks once; returns None when installed, else why not (and nothing is changed)."""
-    return internals.install_trainer_hooks(base.is_tf_nvlink_strategy, _make_function)
+    return internals.install_trainer_hooks(base.is_tf_nvlink_strategy, _make_function,
+                                           compiled_execution.input_depth)
 
 
 def enable_per_replica_xla() -> None:
     """Install the trainer hooks for a tf_nvlink strategy being built; on a Keras without the internals they need,
     log why, and make a jit-compiled step under that strategy raise `UnsupportedKerasError`."""
-    problem = internals.enable_trainer_hooks(base.is_tf_nvlink_strategy, _make_function)
+    problem = internals.enable_trainer_hooks(base.is_tf_nvlink_strategy, _make_function,
+                                             compiled_execution.input_depth)
     if problem:
         log.warning("tf_nvlink: per-replica XLA unavailable: %s", problem)
 

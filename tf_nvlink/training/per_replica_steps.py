@@ -35,7 +35,8 @@ class PerReplicaXlaStep:
     def fused(self) -> bool:
         """Whole train step in XLA, all-reduce included (GPUs only: TensorFlow skips merge_call under XLA there)."""
         strategy = self.model.distribute_strategy
-        return self.kind != "train" or internals.fused_allreduce_possible(strategy) and strategy.xla_allreduce == "fused"
+        whole_step = strategy.xla_allreduce == "fused" or strategy.num_replicas_in_sync == 1  # one: no all-reduce
+        return self.kind != "train" or internals.fused_allreduce_possible(strategy) and whole_step
 
     def _fused_body(self) -> Callable:
         optimizer = self.model.optimizer
@@ -48,14 +49,18 @@ class PerReplicaXlaStep:
 
         return body
 
+    def body_for(self, replica_id: int) -> Callable:
+        """The Python step one replica's program compiles: the whole step (test steps, fused train steps), or
+        split mode's gradients with the update caught."""
+        if self.kind != "train":
+            return self.step_function
+        return self._fused_body() if self.fused else self._train_body(replica_id)
+
     def _compiled_for(self, replica_id: int):
         with self._lock:
             if replica_id not in self._compiled:
-                if self.kind != "train":
-                    body = self.step_function
-                else:
-                    body = self._fused_body() if self.fused else self._train_body(replica_id)
-                self._compiled[replica_id] = tf.function(body, jit_compile=internals.per_replica_jit_compile(),
+                self._compiled[replica_id] = tf.function(self.body_for(replica_id),
+                                                         jit_compile=internals.per_replica_jit_compile(),
                                                          reduce_retracing=True, autograph=False)
             return self._compiled[replica_id]
 

@@ -1,0 +1,159 @@
+"""The compiled execution (tf_nvlink.training.compiled_execution): steps_per_execution=N as one program per replica.
+
+Fused mode runs on CPU replicas through conftest.FUSED_CPU_EMULATION (no XLA: the per-replica programs hold the
+same step, the loop is unrolled conds there). `compiled_execution_cases.py` trains every case per step and
+compiled in one process per layout; the GPU tests (tests/test_gpu.py) run the same cases under XLA.
+"""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+import scenarios
+from conftest import run_python
+
+_CASES = "tests/training/compiled_execution_cases.py"
+_RESULTS: dict = {}
+
+
+def _cases(layout, cases):
+    key = (layout, cases)
+    if key not in _RESULTS:
+        proc = run_python([_CASES, layout, cases], timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _RESULTS[key] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _RESULTS[key]
+
+
+def _assert_same_training(case, per_step, compiled):
+    assert compiled["function"] == compiled["test_function"] == "CompiledExecution", case
+    for a, b in zip(per_step["weights"], compiled["weights"]):
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-6, err_msg=case)
+    np.testing.assert_allclose(compiled["evaluate"], per_step["evaluate"], rtol=1e-5, atol=1e-6, err_msg=case)
+    np.testing.assert_allclose(compiled["loss"], per_step["loss"], rtol=1e-5, atol=1e-6, err_msg=case)
+
+
+# Batch ends the callbacks see (every N steps, as Keras reports steps_per_execution), per case: 70 examples in
+# batches of 15 are 4 + 1 steps an epoch; steps_per_epoch=7 is 4 + 3.
+_BATCH_ENDS = {"numpy": [3, 4, 3, 4], "steps_per_epoch": [3, 6] * 3, "unknown_length": [3, 7, 3, 7],
+               "accumulate": [3, 4, 3, 4], "loss_scale": [3, 4, 3, 4], "no_batchnorm": [3, 4, 3, 4]}
+_ALL = ",".join(_BATCH_ENDS)
+
+
+@pytest.mark.parametrize("case", list(_BATCH_ENDS))
+def test_two_replicas_compiled_equal_per_step_training(case):
+    """2 replicas in fused mode, an uneven 8 + 7 split in every full execution: the same weights, losses, metrics
+    and evaluate results as one program per step, full and partial executions, a short last batch as its own
+    program (2 programs per replica whatever the epochs), the steps each epoch asks for."""
+    runs = _cases("emulated2", _ALL)[case]
+    per_step, compiled = runs["per_step"], runs["compiled"]
+    _assert_same_training(case, per_step, compiled)
+    assert compiled["programs_traced"] == [2, 2]  # one program per batch shape and replica, none per epoch
+    assert compiled["batch_ends"] == _BATCH_ENDS[case]
+    steps = {"steps_per_epoch": 21, "accumulate": 5}.get(case, 10)  # accumulate: 10 batches, 5 updates
+    assert compiled["iterations"] == steps
+    if case != "unknown_length":  # per step, Keras counts the call that finds the data at its end as a step too
+        assert per_step["iterations"] == steps
+
+
+def test_one_replica_compiled_equals_per_step_training():
+    for case, runs in _cases("emulated1", "numpy,steps_per_epoch,unknown_length").items():
+        _assert_same_training(case, runs["per_step"], runs["compiled"])
+        assert runs["compiled"]["programs_traced"] == [2], case
+
+
+def test_batches_that_do_not_fit_raise_before_training():
+    result = _cases("emulated1", "memory_check")["memory_check"]
+    assert result["weights_unchanged"]
+    assert "steps_per_execution=4 stages 4 batches on each replica's device" in result["error"]
+    assert "(1000 bytes) free" in result["error"] and "smaller steps_per_execution (e.g. 2)" in result["error"]
+    assert "compiled_execution=False" in result["error"]
+
+
+_PER_STEP_PRELUDE = r"""
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, tf_nvlink
+from tf_nvlink.training import compiled_execution
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(0)
+data = tf.data.Dataset.from_tensor_slices((rng.normal(size=(64, 8)).astype("float32"),
+                                           rng.normal(size=(64, 1)).astype("float32"))).batch(8).repeat()
+
+def iterations(jit):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=jit, steps_per_execution=5)
+    model.fit(data, steps_per_epoch=7, epochs=3, verbose=0)
+    return int(model.optimizer.iterations.numpy()), list(compiled_execution.execution_path(model))
+"""
+PER_STEP = scenarios.Scenario("compiled_execution_per_step", prelude=_PER_STEP_PRELUDE, cases={
+    "split": "result = iterations(True)",
+    "plain": "result = iterations(False)",
+})
+
+
+@pytest.mark.parametrize("mode", ["split", "plain"])
+def test_per_step_paths_run_the_steps_each_epoch_asks_for(mode):
+    """steps_per_epoch=7 at steps_per_execution=5 under a tf_nvlink strategy: 7 steps an epoch (5 + 2), 21 in 3
+    epochs, where Keras runs 10 an epoch; CPU replicas keep the per-step path and say why."""
+    steps, (path, reason) = PER_STEP.result(mode)
+    assert steps == 21 and path == "per-step"
+    assert reason == ("the replicas are not all GPUs: the all-reduce runs outside XLA (split mode), so each step "
+                      "is its own program" if mode == "split" else
+                      "the model is not compiled with jit_compile=True (or runs eagerly)")
+
+
+def _model(spe=4, jit=True, eager=False, replicas=2, devices=("GPU:0", "GPU:1"), xla_allreduce="fused",
+           compiled=True, workers=1):
+    plan = types.SimpleNamespace(compiled_execution=compiled, input_buffer=1)
+    extended = types.SimpleNamespace(worker_devices=devices, _num_workers=workers)
+    strategy = types.SimpleNamespace(plan=plan, extended=extended, num_replicas_in_sync=replicas,
+                                     xla_allreduce=xla_allreduce)
+    return types.SimpleNamespace(distribute_strategy=strategy, steps_per_execution=spe, jit_compile=jit,
+                                 run_eagerly=eager)
+
+
+@pytest.mark.parametrize("kwargs, path, reason", [
+    ({}, "compiled", "4 steps per execution as one XLA program per replica (fused: all-reduce inside XLA)"),
+    (dict(replicas=1, devices=("GPU:0",), xla_allreduce="split"), "compiled",
+     "4 steps per execution as one XLA program per replica (one replica)"),
+    (dict(spe=1), "per-step", "steps_per_execution=1"),
+    (dict(compiled=False), "per-step",
+     "compiled execution turned off: tf_nvlink.strategy(compiled_execution=False)"),
+    (dict(jit=False), "per-step", "the model is not compiled with jit_compile=True (or runs eagerly)"),
+    (dict(eager=True), "per-step", "the model is not compiled with jit_compile=True (or runs eagerly)"),
+    (dict(workers=2), "per-step", "several workers: an all-reduce inside XLA cannot span processes"),
+    (dict(xla_allreduce="split"), "per-step",
+     "xla_allreduce='split': the all-reduce runs outside XLA, so each step is its own program"),
+    (dict(devices=("CPU:0", "CPU:1")), "per-step",
+     "the replicas are not all GPUs: the all-reduce runs outside XLA (split mode), so each step is its own program"),
+])
+def test_execution_path_says_which_path_and_why(tf, kwargs, path, reason):
+    from tf_nvlink.training import compiled_execution
+
+    model = _model(**kwargs)
+    assert compiled_execution.execution_path(model) == (path, reason)
+    assert compiled_execution.input_depth(model) == (4 if path == "compiled" else None)
+
+
+def test_restage_input_prefetches_the_asked_depth_and_leaves_a_distributed_dataset_alone(tf):
+    from tf_nvlink import internals
+
+    seen = []
+    strategy = types.SimpleNamespace(experimental_distribute_dataset=lambda dataset, options: seen.append(
+        (dataset, options)) or "restaged")
+    dataset = tf.data.Dataset.range(4)
+    epoch_iterator = types.SimpleNamespace(_distributed_dataset="first",
+                                           data_adapter=types.SimpleNamespace(get_tf_dataset=lambda: dataset))
+    model = types.SimpleNamespace(distribute_strategy=strategy)
+    assert internals.restage_input(model, epoch_iterator, 16)
+    assert epoch_iterator._distributed_dataset == "restaged"
+    assert seen[0][0] is dataset and seen[0][1].experimental_per_replica_buffer_size == 16
+    assert not internals.restage_input(model, epoch_iterator, None)
+    distributed = type("UserDistributedDataset", (tf.distribute.DistributedDataset,), {})()
+    epoch_iterator.data_adapter.get_tf_dataset = lambda: distributed
+    assert not internals.restage_input(model, epoch_iterator, 16) and len(seen) == 1

@@ -1,0 +1,325 @@
+"""N steps, one XLA program: `steps_per_execution=N` run as ONE compiled program per replica.
+
+Why this exists: Keras' TensorFlow trainer runs `steps_per_execution` as a `tf.while_loop` on the host that
+launches one XLA program per step and takes each batch on the host in between, so the GPU waits between steps
+(about a quarter of a ResNet-50 step on 1x H200, the step doctor's "GPU idle"). Here each execution of N steps
+is one XLA program per replica: the N batches go in together, a loop inside XLA runs the N train steps
+(forward, loss share, gradients, all-reduce in fused mode, optimizer, BatchNorm sync, metrics), and only the
+last step's logs come out. While one execution runs on the GPU, the host already takes the next execution's
+batches from the input pipeline (their copies to the device overlap the running program).
+
+When it applies (`execution_path(model)` says which path a model takes, and why):
+- `jit_compile=True`, `steps_per_execution > 1`, not `run_eagerly`;
+- every replica a GPU of one process, and the whole step in XLA: one replica, or `xla_allreduce="fused"`;
+  in split mode the all-reduce runs outside XLA (a merge_call), and across workers XLA's all-reduce cannot
+  span processes: those keep the per-step path;
+- `tf_nvlink.strategy(compiled_execution=True)`, the default (False keeps the per-step path, for comparison).
+
+Every execution, not only full ones: an execution with fewer than N batches (the epoch's end, a
+`steps_per_epoch` N does not divide, a dataset of unknown length that ends) runs the same program with a smaller
+trip count, the missing batches filled with the last one and never run; batches of another shape (a short last
+batch) run as their own execution, one more program. Under a tf_nvlink strategy an epoch runs the steps it
+asks for (`steps_per_epoch=7` at N=5: 5 + 2; Keras runs 5 + 5), whichever path the model takes.
+
+Custom training loops keep one program per `strategy.run` call (`tf_nvlink.training.per_replica_steps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+
+from tf_nvlink import internals
+
+log = logging.getLogger("tf_nvlink")
+
+COMPILED = "compiled"
+PER_STEP = "per-step"
+
+
+def execution_path(model) -> tuple[str, str]:
+    """(COMPILED or PER_STEP, why) for the train/test function of `model` under a tf_nvlink strategy.
+
+    Example:
+        >>> execution_path(model)
+        ('compiled', '4 steps per execution as one XLA program per replica (fused: all-reduce inside XLA)')
+    """
+    strategy = model.distribute_strategy
+    plan = getattr(strategy, "plan", None)
+    steps = model.steps_per_execution
+    if steps <= 1:
+        return PER_STEP, "steps_per_execution=1"
+    if not getattr(plan, "compiled_execution", True):
+        return PER_STEP, "compiled execution turned off: tf_nvlink.strategy(compiled_execution=False)"
+    if not model.jit_compile or model.run_eagerly:
+        return PER_STEP, "the model is not compiled with jit_compile=True (or runs eagerly)"
+    if internals.worker_count(strategy) > 1:
+        return PER_STEP, "several workers: an all-reduce inside XLA cannot span processes"
+    if not internals.fused_allreduce_possible(strategy):
+        return PER_STEP, ("the replicas are not all GPUs: the all-reduce runs outside XLA (split mode), "
+                          "so each step is its own program")
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and strategy.xla_allreduce != "fused":
+        return PER_STEP, "xla_allreduce='split': the all-reduce runs outside XLA, so each step is its own program"
+    where = "one replica" if replicas == 1 else "fused: all-reduce inside XLA"
+    return COMPILED, f"{steps} steps per execution as one XLA program per replica ({where})"
+
+
+def input_depth(model):
+    """Batches `model.fit`/`evaluate` prefetch to each device on the compiled path: N (at least the plan's
+    `input_buffer`), so the copies of an execution's batches run ahead of it; None on the per-step path.
+
+    Example:
+        >>> input_depth(model)     # steps_per_execution=16, compiled
+        16
+    """
+    if execution_path(model)[0] != COMPILED:
+        return None
+    return max(model.steps_per_execution, getattr(model.distribute_strategy.plan, "input_buffer", 0) or 0)
+
+
+class StagedBatchesTooLarge(ValueError):
+    """The batches of one execution do not fit on the device: `steps_per_execution` is too large."""
+
+
+class CompiledExecution:
+    """Keras' train (or test) function for a model on the compiled path: `function(iterator)` runs up to
+    `steps_per_execution` steps as one XLA program per replica and returns the last step's logs.
+
+    `step` is the per-replica step (`per_replica_steps.PerReplicaXlaStep`, BatchNorm sync included);
+    `one_step(data)` runs one batch on the per-step path (for batches that cannot be stacked).
+
+    Example (what the trainer hook builds for you):
+        >>> function = CompiledExecution(model, step, one_step)
+        >>> logs = function(iter(strategy.experimental_distribute_dataset(dataset)))
+    """
+
+    def __init__(self, model, step, one_step: Callable):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.steps = model.steps_per_execution
+        self.step = step
+        self.one_step = one_step
+        self.programs_run = 0  # executions run as one program (tests and the doctor read it)
+        self._compiled: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran
+        self._ahead_of = None
+        self._checked_memory = False
+        self._outer = tf.function(self._run_replicas, autograph=False)
+
+    # ---- the per-replica program -----------------------------------------------------------------------------
+
+    def _program_for(self, replica_id: int):
+        with self._lock:
+            if replica_id not in self._compiled:
+                self._compiled[replica_id] = tf.function(
+                    self._execution_body(self.step.body_for(replica_id)),
+                    jit_compile=internals.per_replica_jit_compile(), autograph=False)
+            return self._compiled[replica_id]
+
+    def _execution_body(self, step_body: Callable) -> Callable:
+        def execution(batches, count):
+            stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
+            first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
+            # The logs' structure, from a trace that is never run: the loop carries them from step to step.
+            outputs_spec = tf.function(step_body, autograph=False).get_concrete_function(first).structured_outputs
+            start = tf.nest.map_structure(_zeros_like_spec, outputs_spec)
+            invariants = tf.nest.map_structure(lambda spec: spec.shape, outputs_spec)
+
+            def body(index, _):
+                return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
+
+            return _loop(count, body, start, invariants, len(batches))
+
+        return execution
+
+    def _per_replica(self, batches, count):
+        return self._program_for(internals.replica_id())(batches, count)
+
+    def _run_replicas(self, batches, count):
+        outputs = self.strategy.run(self._per_replica, args=(batches, count))
+        return internals.reduce_step_outputs(outputs, self.strategy)
+
+    # ---- the host side: batches in, executions out -----------------------------------------------------------
+
+    def _take(self, iterator, count: int) -> list:
+        if iterator is not self._ahead_of:
+            self._taken_ahead, self._ahead_of = [], iterator
+        batches = self._taken_ahead[:count]
+        del self._taken_ahead[:count]
+        while len(batches) < count:
+            batch = _next_or_none(iterator)
+            if batch is None:
+                break
+            batches.append(batch)
+        return batches
+
+    def _take_ahead(self, iterator) -> None:
+        """While the execution just launched runs, take the next one's batches (their device copies overlap)."""
+        while len(self._taken_ahead) < self.steps:
+            batch = _next_or_none(iterator)
+            if batch is None:
+                return
+            self._taken_ahead.append(batch)
+
+    def __call__(self, iterator):
+        count = internals.steps_asked_for_this_call(self.steps)
+        batches = self._take(iterator, count)
+        if not batches:
+            raise StopIteration
+        outputs = None
+        for group in _same_shape_runs(batches, self.strategy):
+            if not all(_stackable(batch, self.strategy) for batch in group):
+                for batch in group:
+                    outputs = self.one_step(batch)
+                continue
+            self._check_memory(group[0])
+            padded = tuple(group) + (group[-1],) * (self.steps - len(group))
+            with _explained_oom(self, group[0]):
+                outputs = self._outer(padded, tf.constant(len(group), tf.int32))
+            self.programs_run += 1
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            self._take_ahead(iterator)
+        return outputs
+
+    def staged_bytes(self, batch) -> int:
+        """Device bytes the input stages per replica: the execution's N batches and their stacked copy, the next
+        execution's N taken ahead, and N more prefetched."""
+        return 4 * self.steps * batch_bytes_per_replica(batch, self.strategy)
+
+    def _check_memory(self, batch) -> None:
+        if self._checked_memory:
+            return
+        self._checked_memory = True
+        needed = self.staged_bytes(batch)
+        for device in self.strategy.extended.worker_devices:
+            free = internals.device_bytes_free(device)
+            if free is not None and needed > free:
+                raise StagedBatchesTooLarge(_too_large_text(self.steps, needed, device, free))
+
+
+def _too_large_text(steps: int, needed: int, device: str, free: Optional[int]) -> str:
+    where = f"{device} has {_size_text(free)} free" if free is not None else f"{device} ran out of memory"
+    return (f"steps_per_execution={steps} stages {steps} batches on each replica's device at once, "
+            f"{_size_text(needed)} per replica with their stacked copy and the next executions' batches, and "
+            f"{where}. "
+            f"Compile with a smaller steps_per_execution (e.g. {max(1, steps // 2)}), a smaller batch, or "
+            f"tf_nvlink.strategy(compiled_execution=False) to run the steps one program each.")
+
+
+def _size_text(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB ({size} bytes)"
+
+
+class _explained_oom:
+    def __init__(self, execution: CompiledExecution, batch):
+        self.execution, self.batch = execution, batch
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if kind is not None and issubclass(kind, tf.errors.ResourceExhaustedError) \
+                and self.execution.programs_run == 0:
+            raise StagedBatchesTooLarge(_too_large_text(
+                self.execution.steps, self.execution.staged_bytes(self.batch), "the device", None)
+                + f" TensorFlow said: {str(error).splitlines()[0]}") from error
+        return False
+
+
+def batch_bytes_per_replica(batch, strategy) -> int:
+    """The largest replica's bytes of one distributed batch.
+
+    Example:
+        >>> batch_bytes_per_replica(next(iter(strategy.experimental_distribute_dataset(dataset))), strategy)
+        12845056
+    """
+    per_replica = [0] * strategy.num_replicas_in_sync
+    for leaf in tf.nest.flatten(batch):
+        for replica, tensor in enumerate(strategy.experimental_local_results(leaf)):
+            per_replica[replica] += int(tf.size(tensor)) * tensor.dtype.size
+    return max(per_replica)
+
+
+def _loop(count, body: Callable, start, invariants, most: int):
+    """`body` run `count` times (a tensor, at most `most`) inside the replica's program: an XLA while loop.
+
+    Without XLA (tests' CPU emulation of fused mode) the loop is `most` unrolled conds: TensorFlow's own
+    collectives (the CPU stand-in for the all-reduce XLA compiles) hang when one replica's while loop launches the
+    same collective again (seen with 2 CPU replicas), while XLA runs its all-reduce in a loop natively."""
+    if internals.per_replica_jit_compile():
+        return tf.while_loop(lambda index, _: index < count, body, (tf.constant(0), start),
+                             shape_invariants=(tf.TensorShape([]), invariants), maximum_iterations=most)[1]
+    outputs = start
+    for index in range(most):
+        outputs = tf.cond(index < count, lambda index=index: body(tf.constant(index), outputs)[1],
+                          lambda: outputs)
+    return outputs
+
+
+def _zeros_like_spec(spec):
+    return tf.zeros([0 if dim is None else dim for dim in spec.shape.as_list()], spec.dtype) \
+        if spec.shape.rank is not None else tf.zeros([], spec.dtype)
+
+
+def _next_or_none(iterator):
+    try:
+        return next(iterator)
+    except (StopIteration, tf.errors.OutOfRangeError):
+        return None
+
+
+def _signature(batch, strategy) -> tuple:
+    return tuple((tuple(tensor.shape), tensor.dtype.name) if hasattr(tensor, "shape") else (type(tensor).__name__,)
+                 for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
+
+
+def _same_shape_runs(batches: list, strategy) -> list[list]:
+    """Consecutive batches of one shape signature together (a short last batch starts its own run)."""
+    runs: list[list] = []
+    previous = None
+    for batch in batches:
+        signature = _signature(batch, strategy)
+        if runs and signature == previous:
+            runs[-1].append(batch)
+        else:
+            runs.append([batch])
+        previous = signature
+    return runs
+
+
+def _stackable(batch, strategy) -> bool:
+    """Dense tensors only: sparse, ragged and optional values take the per-step path."""
+    return all(isinstance(tensor, tf.Tensor) and not isinstance(tensor, tf.SparseTensor)
+               for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
+
+
+def steps_asked_for(function: Callable, one_step: Callable, steps: int) -> Callable:
+    """A per-step path's train function that runs the steps the epoch asks for: `function(iterator)` runs
+    `steps` batches; when the epoch asks for fewer (its last execution), `one_step` runs them one by one.
+
+    Example:
+        >>> train_function = steps_asked_for(keras_function, one_step, model.steps_per_execution)
+    """
+    if steps <= 1:
+        return function
+
+    def limited(iterator):
+        count = internals.steps_asked_for_this_call(steps)
+        if count >= steps:
+            return function(iterator)
+        outputs = None
+        for _ in range(count):
+            batch = _next_or_none(iterator)
+            if batch is None:
+                break
+            outputs = one_step(batch)
+        if outputs is None:
+            raise StopIteration
+        return outputs
+
+    return limited
