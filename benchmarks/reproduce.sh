@@ -4,8 +4,8 @@
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
 #                                                      transformer p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu
-#                                                      onegpu8 (each about 10 minutes or less on 2x H200; one per
-#                                                      command)
+#                                                      onegpu8 compiled compiled_transformer (each about 10
+#                                                      minutes or less; one per command; the compiled ones on 1 GPU)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
@@ -68,9 +68,15 @@ for stage in $stages; do
              --candidates auto,auto@customloop --json "$out/loops.json" ;;
     profile) run profile "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 1 --steps 30 \
                --candidates 1gpu,onedevice,auto --profile "$out/profile" --json "$out/profile.json" ;;
+    compiled) run compiled "$py" benchmarks/compiled_execution.py --models resnet50 --rounds 3 --nodoctor \
+                --json "$out/compiled_r50.json" ;;
+    compiled_transformer) run compiled_transformer "$py" benchmarks/compiled_execution.py --models transformer \
+                            --rounds 3 --nodoctor --steps 48 --warmup_steps 16 --setups per-step,compiled,buffered \
+                            --json "$out/compiled_tfm.json" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
-            "p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu onegpu8" >&2; exit 2 ;;
+            "p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu onegpu8 compiled" \
+            "compiled_transformer" >&2; exit 2 ;;
   esac
 done
 exit $status

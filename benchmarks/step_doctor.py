@@ -26,17 +26,18 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/torch_peer.py
 
 from tf_nvlink.tools import bench_stats  # noqa: E402
 from tf_nvlink.tools import bench_models  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
+from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 EPOCH_STEPS = 2000  # the doctor's cost is judged against an epoch this long
@@ -56,81 +57,6 @@ _JSON = flags.DEFINE_string("json", "", "Write every measurement and the doctor'
 _TRACE_OUT = flags.DEFINE_string("trace_out", "", "Copy each model's doctor trace and observation to "
                                  "DIR/step_doctor_<model>/ (profile/ and observation.json: a CPU test fixture).")
 _OUTPUT = flags.DEFINE_string("output_dir", "step_doctor_out", "Where the doctor's files go (one folder a model).")
-_TORCH_CHILD = flags.DEFINE_bool("torch_child", False, "Internal: run as the PyTorch peer, driven on stdin.")
-
-
-# ---- the PyTorch peer (a child process: its own CUDA context, no TensorFlow) ----------------------------------
-def torch_child(batch: int, steps: int, warmup_steps: int) -> int:
-    """Compiles and warms up, prints "ready"; then for each "run" line on stdin times `steps` steps and prints
-    {"fit_s": ...}; exits on "quit"."""
-    import numpy as np
-    import torch
-    import torchvision
-
-    device = torch.device("cuda")
-    model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    compiled = torch.compile(model)
-    rng = np.random.default_rng(0)
-    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8)).pin_memory()
-    host_y = torch.from_numpy(rng.integers(0, 10, size=(batch,)).astype("int64"))
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step():
-        x = host_x.to(device, non_blocking=True).float().div_(255.0).contiguous(memory_format=torch.channels_last)
-        y = host_y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(compiled(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    for _ in range(warmup_steps):
-        step()
-    torch.cuda.synchronize()
-    print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "run":
-            break
-        started = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        print(json.dumps({"fit_s": time.perf_counter() - started}), flush=True)
-    return 0
-
-
-class TorchPeer:
-    """The child process running `torch_child`; `run()` returns one timed fit's seconds."""
-
-    def __init__(self, batch: int, steps: int, warmup_steps: int):
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--torch_child", f"--batch_per_replica={batch}",
-             f"--steps={steps}", f"--warmup_steps={warmup_steps}"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.started = False
-
-    def wait_until_ready(self) -> None:
-        """Block until the child has compiled and warmed up (it does so while the TensorFlow side compiles)."""
-        line = self.process.stdout.readline().strip()
-        if line != "ready":
-            self.close()
-            raise RuntimeError(f"the PyTorch peer did not start (said {line!r}; its stderr is above)")
-        self.started = True
-
-    def run(self) -> float:
-        self.process.stdin.write("run\n")
-        self.process.stdin.flush()
-        return json.loads(self.process.stdout.readline())["fit_s"]
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write("quit\n")
-                self.process.stdin.close()
-            except BrokenPipeError:
-                pass
-            self.process.wait(timeout=60)
 
 
 # ---- the TensorFlow side ---------------------------------------------------------------------------------------
@@ -253,8 +179,6 @@ def render(records: list) -> str:
 
 def main(argv):
     del argv
-    if _TORCH_CHILD.value:
-        return torch_child(_BATCH.value or DEFAULT_BATCH["resnet50"], _STEPS.value, _WARMUP.value)
     unknown = [m for m in _MODELS.value if m not in bench_models.BENCH_MODELS]
     if unknown:
         raise app.UsageError(f"--models: {unknown} unknown; valid: {list(bench_models.BENCH_MODELS)}")

@@ -1,0 +1,204 @@
+r"""The compiled execution (N steps as one XLA program per replica) against today's per-step path, in ONE command.
+
+Per model, interleaved rounds (the order rotates every round) of whole `model.fit` calls of --steps steps, each
+after a warm-up fit that compiles:
+  spe=1        `tf_nvlink.strategy()`, steps_per_execution=1 (what the step doctor looks at);
+  per-step     steps_per_execution=N, compiled execution off (one XLA program per step, Keras' loop);
+  compiled     steps_per_execution=N, compiled execution on (the default);
+  buffered     the compiled execution with N batches prefetched to the device (`input_buffer=N`, not 1);
+  resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
+               copy held on the device: the same program without the host input, the ceiling for host-fed input);
+  torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process.
+The host-fed setups read one synthetic batch from host memory through tf.data (uint8 images cast on the GPU,
+int32 tokens), mixed_bfloat16, SGD momentum 0.9, XLA. One process holds one strategy; the compiled execution is
+switched per model through the plan (what `tf_nvlink.strategy(compiled_execution=False)` sets for a process).
+The step doctor profiles the spe=1 model once (before the rounds): its step breakdown and its advice are kept, and
+its predicted gain is set beside the measured one (spe=1 against compiled).
+
+    python benchmarks/compiled_execution.py --models resnet50 --rounds 3 --json r50.json            # 1x H200
+    python benchmarks/compiled_execution.py --models transformer --rounds 3 --json tfm.json
+    python benchmarks/compiled_execution.py --models convnet --devices cpu --rounds 1 --notorch --steps 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/torch_peer.py
+
+from tf_nvlink.tools import bench_models, bench_stats  # noqa: E402
+from tf_nvlink.util import atomic_files  # noqa: E402
+from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
+
+DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
+DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
+SETUPS = ("spe=1", "per-step", "compiled", "buffered", "resident", "torch")
+
+_MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 96, "Steps per timed fit (a multiple of every N).", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup_steps", 32, "Steps of the warm-up fit before the timed ones.", lower_bound=1)
+_SPE = flags.DEFINE_integer("steps_per_execution", None,
+                            f"N; default per model {DEFAULT_STEPS_PER_EXECUTION}, else 8.", lower_bound=2)
+_BATCH = flags.DEFINE_integer("batch_per_replica", None, f"Default per model: {DEFAULT_BATCH}.", lower_bound=1)
+_SETUPS = flags.DEFINE_list("setups", list(SETUPS), f"Which of {list(SETUPS)} to run.")
+_DEVICES = flags.DEFINE_enum("devices", "gpu", ["gpu", "cpu"], "gpu: tf_nvlink.strategy() over the GPUs; cpu: one "
+                             "logical CPU device (a smoke run: fused mode needs GPUs, so nothing is compiled whole).")
+_TORCH = flags.DEFINE_bool("torch", True, "Run the PyTorch peer for resnet50 (needs torch, torchvision, a GPU).")
+_DOCTOR = flags.DEFINE_bool("doctor", True, "Profile the spe=1 model with the step doctor first.")
+_JSON = flags.DEFINE_string("json", "", "Write every measurement to this JSON file.")
+_OUTPUT = flags.DEFINE_string("output_dir", "compiled_execution_out", "Where the doctor's files go.")
+
+
+def plan_for(strategy, setup: str, steps_per_execution: int):
+    """The strategy's plan as `setup` runs it: compiled execution on or off, the input prefetch depth."""
+    return dataclasses.replace(strategy.plan, compiled_execution=setup in ("compiled", "buffered", "resident"),
+                               input_buffer=steps_per_execution if setup == "buffered" else strategy.plan.input_buffer)
+
+
+def set_plan(strategy, plan) -> None:
+    """Plans switched inside one process: the train function reads it when built, the input at each fit."""
+    from tf_nvlink.distribute import base  # noqa: PLC0415
+
+    base.attach_plan(strategy, plan)
+
+
+def build(name, strategy, batch, steps_per_execution, resident=False):
+    """(model, endless dataset, global batch): host-fed as tf_nvlink.tools.doctor.bench.build, or resident."""
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tf_nvlink.tools.doctor import bench  # noqa: PLC0415
+
+    if not resident:
+        return bench.build(name, strategy, batch, steps_per_execution=steps_per_execution)
+    global_batch = batch * strategy.num_replicas_in_sync
+    x, y = bench_models.synthetic_batch(name, global_batch)
+    dataset = tf.data.Dataset.from_tensors((np.arange(global_batch, dtype="int32"), y)).repeat()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    with strategy.scope():
+        model = bench_models.build_bench_model(name, x, keras, "device")
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=name != "resnet50"),
+                      jit_compile=bool(tf.config.list_logical_devices("GPU")),
+                      steps_per_execution=steps_per_execution)
+    return model, dataset.with_options(options).prefetch(tf.data.AUTOTUNE), global_batch
+
+
+def timed_fit(model, dataset, steps: int) -> float:
+    started = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+    return time.perf_counter() - started
+
+
+def bench_model(name: str, strategy, setups: list) -> dict:
+    from tf_nvlink.training import compiled_execution  # noqa: PLC0415
+
+    batch = _BATCH.value or DEFAULT_BATCH[name]
+    n = _SPE.value or DEFAULT_STEPS_PER_EXECUTION.get(name, 8)
+    steps = _STEPS.value
+    peer = TorchPeer(batch, steps, 15) if "torch" in setups else None  # first: it compiles while TF does
+    models, paths, compile_s, plans = {}, {}, {}, {}
+    for setup in setups:
+        if setup == "torch":
+            continue
+        plans[setup] = plan_for(strategy, setup, n)
+        set_plan(strategy, plans[setup])
+        model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
+                                             resident=setup == "resident")
+        compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
+        paths[setup] = compiled_execution.execution_path(model)
+        models[setup] = (model, dataset)
+    doctor_report = None
+    if _DOCTOR.value and "spe=1" in models:
+        set_plan(strategy, plans["spe=1"])
+        from tf_nvlink.tools.doctor import bench  # noqa: PLC0415
+
+        model, dataset = models["spe=1"]
+        doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, name), verbose=False)
+        doctor_report = doctor.report or {"unavailable": doctor.unavailable}
+    if peer:
+        peer.wait_until_ready()
+    seconds = {setup: [] for setup in setups}
+    try:
+        for round_index in range(_ROUNDS.value):
+            order = setups[round_index % len(setups):] + setups[:round_index % len(setups)]
+            for setup in order:
+                if setup != "torch":
+                    set_plan(strategy, plans[setup])
+                seconds[setup].append(peer.run() if setup == "torch" else timed_fit(*models[setup], steps))
+    finally:
+        if peer:
+            peer.close()
+    rows = {}
+    for setup, values in seconds.items():
+        stats = bench_stats.summarize(values)
+        rows[setup] = {"fit_s": values, "median_s": stats.median, "spread": stats.spread,
+                       "samples_per_s": global_batch * steps / stats.median,
+                       "ms_per_step": stats.median * 1e3 / steps, "path": paths.get(setup),
+                       "warmup_fit_s": compile_s.get(setup)}
+    record = {"model": name, "global_batch": global_batch, "steps": steps, "steps_per_execution": n,
+              "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report}
+    models.clear()
+    gc.collect()
+    return record
+
+
+def render(record: dict) -> str:
+    rows = record["rows"]
+    lines = [f"\n## {record['model']} (global batch {record['global_batch']}, N={record['steps_per_execution']}, "
+             f"{record['steps']}-step fits, {record['rounds']} interleaved rounds)",
+             "| setup | samples/s (median) | ms/step | spread | vs per-step | vs torch | path |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    base = rows.get("per-step", {}).get("samples_per_s")
+    peer = rows.get("torch", {}).get("samples_per_s")
+    for setup, row in rows.items():
+        rate = row["samples_per_s"]
+        against = [f"{rate / other:.3f}" if other else "-" for other in (base, peer)]
+        lines.append(f"| {setup} | {rate:.1f} | {row['ms_per_step']:.2f} | {row['spread']:.1%} | {against[0]} | "
+                     f"{against[1]} | {row['path'][0] if row['path'] else '-'} |")
+    doctor = record.get("doctor") or {}
+    window = doctor.get("window") or {}
+    if window:
+        lines.append(f"doctor (spe=1): {(doctor.get('verdict') or {}).get('kind')}; step {window.get('step_ms')} ms; "
+                     f"breakdown {json.dumps(doctor.get('breakdown'), default=str)[:400]}")
+    for advice in (doctor.get("verdict") or {}).get("advice", []):
+        lines.append(f"doctor advice: {advice.get('change')} predicted +{advice.get('gain', 0):.1%} per step")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    unknown = [m for m in _MODELS.value if m not in bench_models.BENCH_MODELS]
+    bad_setups = [s for s in _SETUPS.value if s not in SETUPS]
+    if unknown or bad_setups:
+        raise app.UsageError(f"--models {unknown} / --setups {bad_setups} unknown; valid: "
+                             f"{list(bench_models.BENCH_MODELS)} / {list(SETUPS)}")
+    print("# " + " ".join(sys.argv), flush=True)
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")  # the PyTorch peer shares the GPU
+    from tf_nvlink.tools.doctor import bench  # noqa: PLC0415
+
+    strategy = bench.configure(cpu_devices=1 if _DEVICES.value == "cpu" else 0)
+    records = []
+    for name in _MODELS.value:
+        setups = [s for s in _SETUPS.value
+                  if s != "torch" or (_TORCH.value and name == "resnet50" and _DEVICES.value == "gpu")]
+        records.append(bench_model(name, strategy, setups))
+        print(render(records[-1]), flush=True)
+        if _JSON.value:
+            atomic_files.write_atomic(_JSON.value, json.dumps(records, indent=1, default=str), mode=None)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
