@@ -222,6 +222,19 @@ def test_keras_internals_the_hook_relies_on():
     for built in ("layer.built for layer in self._flatten_layers()", "self._compile_metrics.built",
                   "self._compile_loss.built", "self.optimizer.built"):
         assert built in checks, built
+    # the compiled execution: the epoch's executions, Keras' count of steps taken, the distributed input
+    from keras.src.trainers.epoch_iterator import EpochIterator
+    enumerate_source = inspect.getsource(internals._STATE.originals.get("EpochIterator._enumerate_iterator",
+                                                                      EpochIterator._enumerate_iterator))
+    assert "steps_per_epoch = self.steps_per_epoch or self._num_batches or -1" in enumerate_source
+    assert "self._steps_seen += self.steps_per_execution" in enumerate_source
+    assert "step + self.steps_per_execution - 1" in enumerate_source
+    epoch_iterator_init = inspect.getsource(tf_trainer.TFEpochIterator.__init__)
+    assert "self._distributed_dataset = dataset" in epoch_iterator_init
+    assert "experimental_distribute_dataset(" in epoch_iterator_init
+    fit = inspect.getsource(TensorFlowTrainer.fit)
+    assert fit.index("self._maybe_symbolic_build(iterator=epoch_iterator)") < fit.index("epoch_iterator.reset()")
+    assert "def reduce_per_replica(values, strategy, reduction)" in inspect.getsource(tf_trainer.reduce_per_replica)
 
 
 def test_fit_makes_one_distributed_iterator_once_the_model_is_built():
