@@ -107,7 +107,7 @@ def uninstall_keras_hooks() -> None:
         for name, original in list(_STATE.originals.items()):
             owner, _, attribute = name.rpartition(".")
             owners = {**_OPTIMIZER_CLASSES, "loss_module": _keras_loss_module,
-                      "EpochIterator": _keras_epoch_iterator_class}
+                      "EpochIterator": _keras_epoch_iterator_class, "BatchNormalization": _keras_batch_norm_class}
             if owner and owner not in owners:
                 continue  # the gradient all-reduce and the write recorder have their own restore
             setattr(owners[owner]() if owner else trainer, attribute, original)
@@ -288,7 +288,8 @@ def _accumulate_without_merge_call(optimizer, original_apply, grads, trainable_v
     these gradients through rather than all-reducing them again."""
     pairs = [(g, v) for g, v in zip(grads, trainable_variables if trainable_variables is not None
                                      else optimizer._trainable_variables)]
-    reduced = optimizer._all_reduce_sum_gradients(pairs)  # noqa: SLF001 - tf_nvlink's hook, bfloat16 included
+    with _clipping_later():  # Keras clips the accumulated mean below, once these are the global gradients
+        reduced = optimizer._all_reduce_sum_gradients(pairs)  # noqa: SLF001 - tf_nvlink's hook, bfloat16 included
     if "_all_reduce_sum_gradients" not in optimizer.__dict__:  # Keras' update step must not all-reduce them again
         reduce_sum = optimizer._all_reduce_sum_gradients  # noqa: SLF001
         optimizer._all_reduce_sum_gradients = lambda grads_and_vars: (
@@ -304,6 +305,58 @@ def _accumulate_without_merge_call(optimizer, original_apply, grads, trainable_v
                                   None if trainable_variables is None else [v for _, v in reduced])
     finally:
         _NO_MERGE_CALL.active = False
+
+
+_CLIP = threading.local()  # this replica thread's clipping state (see _install_clip_hook)
+
+
+def _install_clip_hook() -> None:
+    """Replace `BaseOptimizer._clip_gradients` (Keras 3.12 to 3.15; called with _STATE.lock held).
+
+    Why: Keras clips (`clipnorm`, `global_clipnorm`, `clipvalue`) in `_backend_apply_gradients`, before its
+    TensorFlow optimizer all-reduces the gradients in `_backend_update_step`, so under a MirroredStrategy each
+    replica clips its own share and the update differs from one device's (stock MirroredStrategy does the same).
+    Under a multi-replica tf_nvlink strategy the clip there is deferred, and `clip_reduced_gradients` applies
+    Keras' own clip to the all-reduced gradients (tf_nvlink.training.gradient_allreduce): one device's update.
+    Gradients that are already all-reduced (`gradients_already_reduced`, gradient accumulation under
+    merge_call) are clipped where Keras clips them."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: PLC0415
+
+    original = _STATE.originals["BaseOptimizer._clip_gradients"] = BaseOptimizer.__dict__["_clip_gradients"]
+
+    def _clip_gradients(self, grads):
+        if getattr(_CLIP, "now", False) or gradients_already_reduced() or not _clip_after_allreduce(self):
+            return original(self, grads)
+        return list(grads)  # clipped once all-reduced
+
+    BaseOptimizer._clip_gradients = _clip_gradients
+
+
+def _clip_after_allreduce(optimizer) -> bool:
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.num_replicas_in_sync > 1 and _under_tf_nvlink(optimizer)
+
+
+@contextlib.contextmanager
+def _clipping_later():
+    saved = getattr(_CLIP, "skip", False)
+    _CLIP.skip = True
+    try:
+        yield
+    finally:
+        _CLIP.skip = saved
+
+
+def clip_reduced_gradients(optimizer, grads: list) -> list:
+    """Keras' clipping of `optimizer` (its `_clip_gradients`: clipnorm, global_clipnorm, clipvalue) applied to
+    all-reduced gradients; unchanged while gradient accumulation reduces them before Keras clips the mean."""
+    if getattr(_CLIP, "skip", False) or not _clip_after_allreduce(optimizer):
+        return grads
+    _CLIP.now = True
+    try:
+        return optimizer._clip_gradients(grads)  # noqa: SLF001
+    finally:
+        _CLIP.now = False
 
 
 class OptimizerNotBuiltWhileTracing(Exception):  # noqa: N818 - a signal to the step, not an error for users
@@ -644,6 +697,8 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
     - `keras.src.losses.loss.scale_loss_for_distribution` / `unscale_loss_for_distribution`
       (`_install_loss_share_hooks`, the exact-batch rule).
     - `EpochIterator._enumerate_iterator` (`_install_epoch_iterator_hook`: an epoch runs the steps it asks for).
+    - `BatchNormalization._moments` (`_install_empty_replica_hooks`: no NaN from a replica without examples).
+    - `BaseOptimizer._clip_gradients` (`_install_clip_hook`: clipping acts on the all-reduced gradients).
     """
     with _STATE.lock:
         if "_make_function" in _STATE.originals:
@@ -699,6 +754,8 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
         _install_optimizer_hooks()
         _install_loss_share_hooks()
         _install_epoch_iterator_hook()
+        _install_empty_replica_hooks()
+        _install_clip_hook()
         return None
 
 
@@ -719,6 +776,41 @@ def jit_tf_function(fn):
     if not (getattr(target, "_jit_compile", False) and hasattr(target, "python_function")):
         return None
     return target, target.python_function, getattr(target, "_autograph", True)
+
+
+# ==== Keras' BatchNormalization on a replica without examples (tf_nvlink.training.replica_sync) ================
+
+
+def _keras_batch_norm_class():
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization  # noqa: PLC0415
+
+    return BatchNormalization
+
+
+def _install_empty_replica_hooks() -> None:
+    """Replace `BatchNormalization._moments` (Keras 3.12 to 3.15; called with _STATE.lock held).
+
+    Why: a step whose global batch leaves a replica without examples (65 examples at batch_size=32 on 2 replicas:
+    1 + 0) has that replica compute its batch mean and variance over nothing, 0 / 0 = NaN (`tf.nn.moments`); the NaN
+    reaches the moving statistics and, through the replica sync, every replica, and the model predicts NaN from then
+    on (stock MirroredStrategy does the same). Under a multi-replica tf_nvlink strategy an empty batch's moments
+    are 0 instead, selected with `tf.where` (a batch with examples gets Keras' own values, bit for bit); its
+    moving-statistics update then counts for nothing in the sync, which weights replicas by their examples.
+    `synchronized=True` and masked inputs already divide by a count that cannot be 0."""
+    cls = _keras_batch_norm_class()
+    original = _STATE.originals["BatchNormalization._moments"] = cls.__dict__["_moments"]
+
+    def _moments(self, inputs, mask):
+        mean, variance = original(self, inputs, mask)
+        context = tf.distribute.get_replica_context()
+        if mask is not None or self.synchronized or context is None or context.num_replicas_in_sync < 2 \
+                or not _STATE.is_ours(tf.distribute.get_strategy()):
+            return mean, variance
+        has_examples = tf.size(inputs) > 0
+        return (tf.where(has_examples, mean, tf.zeros_like(mean)),
+                tf.where(has_examples, variance, tf.zeros_like(variance)))
+
+    cls._moments = _moments
 
 
 # ==== Keras' TensorFlow optimizer: its gradient all-reduce (tf_nvlink.training.gradient_allreduce) =============

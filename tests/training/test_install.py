@@ -235,6 +235,19 @@ def test_keras_internals_the_hook_relies_on():
     fit = inspect.getsource(TensorFlowTrainer.fit)
     assert fit.index("self._maybe_symbolic_build(iterator=epoch_iterator)") < fit.index("epoch_iterator.reset()")
     assert "def reduce_per_replica(values, strategy, reduction)" in inspect.getsource(tf_trainer.reduce_per_replica)
+    # a replica without examples: BatchNormalization's batch moments, the hook's seam
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    moments = inspect.getsource(internals._STATE.originals.get("BatchNormalization._moments",
+                                                             BatchNormalization._moments))
+    assert "def _moments(self, inputs, mask):" in moments and "synchronized=self.synchronized" in moments
+    assert "mean, variance = self._moments(inputs, mask)" in inspect.getsource(BatchNormalization.call)
+    # clipping after the all-reduce: Keras clips before its TensorFlow optimizer's update step all-reduces
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    apply_source = inspect.getsource(BaseOptimizer._backend_apply_gradients)
+    assert apply_source.count("grads = self._clip_gradients(grads)") == 2
+    assert apply_source.index("self._clip_gradients(grads)") < apply_source.index("self._backend_update_step(")
+    assert "grads_and_vars = self._all_reduce_sum_gradients(grads_and_vars)" in inspect.getsource(
+        TFOptimizer._backend_update_step)
 
 
 def test_fit_makes_one_distributed_iterator_once_the_model_is_built():

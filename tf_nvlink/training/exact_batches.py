@@ -10,10 +10,9 @@ step's N examples scales its mean loss by n_r / N. The gradients summed over the
 global batch's mean loss, exactly as on one device, whatever the split; a replica with no examples takes part
 in the all-reduces (no hang) and adds zero. N is one all-reduced float32 scalar per train step, taken outside
 XLA in split mode and inside each replica's program in fused mode. Regularisation losses (counted once over
-the replicas), `gradient_accumulation_steps`, metrics and the logged loss then match one device too. Not
-covered: gradient clipping (`clipnorm`, `clipvalue`), which Keras applies to each replica's share before the
-all-reduce, as under stock MirroredStrategy; and the "mean_with_sample_weight" loss reduction, whose divisor
-is the replica's own sum of weights.
+the replicas), `gradient_accumulation_steps`, metrics and the logged loss then match one device too, and so
+does gradient clipping, which acts on the all-reduced gradients (tf_nvlink.training.gradient_allreduce). Not
+covered: the "mean_with_sample_weight" loss reduction, whose divisor is the replica's own sum of weights.
 
 Custom training loops: `average_loss(per_example_loss)` is the same rule for a user-written loss.
 """

@@ -9,9 +9,11 @@ strategy depends on which replica saw which data, and a saved model holds replic
 What tf_nvlink does (on every multi-replica tf_nvlink strategy, in `model.fit`, every mode):
 - while a replica's train step runs (or is traced), it records which Keras variables the step writes;
 - after the step, the written ones that are the model's non-trainable floating-point variables with
-  aggregation "none" are packed into one flat buffer per dtype, all-reduced with MEAN across the replicas
-  (one small collective: ResNet-50's 53k BatchNorm statistics are 212 KB), and written back to every replica's
-  own copy. Variables nobody writes (a frozen backbone's weights) cost nothing.
+  aggregation "none" are packed into one flat buffer per dtype, averaged across the replicas weighted by each
+  replica's examples in the step (one small SUM all-reduce of the weighted values and the weight: ResNet-50's
+  53k BatchNorm statistics are 212 KB), and written back to every replica's own copy. A replica without examples
+  adds nothing (its BatchNorm moments are 0, not 0 / 0: `internals._install_empty_replica_hooks`), and an uneven
+  split counts as its examples do. Variables nobody writes (a frozen backbone's weights) cost nothing.
 
 Where the all-reduce runs, by mode (see tf_nvlink.training.install for the modes):
 - plain (jit_compile=False) and split XLA: after the step, outside XLA, through the plan's cross-device ops;
@@ -21,8 +23,9 @@ Where the all-reduce runs, by mode (see tf_nvlink.training.install for the modes
   `strategy.run(tf_nvlink.synced_step(model, step_fn), ...)`.
 
 Meaning of the result: each replica's moving statistic after a step is m * old + (1 - m) * s_r, where s_r is
-its shard's batch statistic; the mean over replicas is m * old + (1 - m) * mean_r(s_r). For `moving_mean` that
-is exactly the update with the whole global batch's mean (equal shards). For `moving_variance` it is the mean of
+its shard's batch statistic; the mean over replicas weighted by their examples n_r is
+m * old + (1 - m) * sum_r(n_r s_r) / sum_r(n_r). For `moving_mean` that is exactly the update with the whole
+global batch's mean, whatever the split. For `moving_variance` it is the mean of
 the shards' variances, which leaves out the spread between shard means: the variance each replica actually
 normalised with during training (Keras 2's ON_READ/MEAN gave the same). `BatchNormalization(synchronized=True)`
 normalises with the global batch's statistics instead, and then the moving variance is the global batch's.
@@ -39,6 +42,7 @@ import threading
 from typing import Any, Callable, Iterable, Optional
 
 from tf_nvlink import internals
+from tf_nvlink.training.exact_batches import examples_in
 
 ENV_SWITCH = "TF_NVLINK_SYNC_NON_TRAINABLE"
 
@@ -98,8 +102,12 @@ def state_variables(model) -> list:
             if _is_float(v) and str(getattr(v, "aggregation", "none") or "none").lower() == "none"]
 
 
-def sync_non_trainable(model_or_variables, variables: Optional[Iterable] = None) -> None:
+def sync_non_trainable(model_or_variables, variables: Optional[Iterable] = None, examples=None) -> None:
     """All-reduce MEAN non-trainable state across replicas and write it back to every replica's copy.
+
+    `examples` (this replica's example count in the step, a scalar): the mean weights each replica by its
+    examples, so a replica without examples adds nothing and an uneven split counts as its examples do (what
+    `model.fit` under a tf_nvlink strategy passes). None: every replica counts the same.
 
     Call it in replica context (inside the function given to `strategy.run`), after the step that updated the
     state; every replica must call it with the same variables. With a model, it averages `state_variables(model)`
@@ -129,7 +137,12 @@ def sync_non_trainable(model_or_variables, variables: Optional[Iterable] = None)
     for group in by_dtype.values():  # one all-reduce per dtype (one in practice: BatchNorm keeps float32)
         values = [tf.reshape(tf.convert_to_tensor(v.value), [-1]) for v in group]
         packed = values[0] if len(values) == 1 else tf.concat(values, axis=0)
-        mean = context.all_reduce(tf.distribute.ReduceOp.MEAN, packed)
+        if examples is None:
+            mean = context.all_reduce(tf.distribute.ReduceOp.MEAN, packed)
+        else:  # one all-reduce of the weighted values with the weight at the end
+            weight = tf.cast(tf.reshape(examples, [1]), packed.dtype)
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([packed * weight, weight], axis=0))
+            mean = tf.math.divide_no_nan(total[:-1], total[-1])
         pieces = tf.split(mean, [_size(v) for v in group])
         for variable, piece in zip(group, pieces):
             variable.assign(tf.reshape(piece, variable.shape))
@@ -184,11 +197,19 @@ class SyncedStep:
     def __call__(self, *args, **kwargs):
         with _recording() as written:
             result = self.step(*args, **kwargs)
-        sync_non_trainable(self.model, [v for v in state_variables(self.model) if id(v) in written])
+        sync_non_trainable(self.model, [v for v in state_variables(self.model) if id(v) in written],
+                           examples=_examples_or_none(args))  # weighted: an empty replica adds nothing
         return result
 
     def __getattr__(self, name):  # kind, fused, ... of a wrapped PerReplicaXlaStep
         return getattr(self.step, name)
+
+
+def _examples_or_none(args):
+    try:
+        return examples_in(args)
+    except ValueError:  # a step called without tensors: every replica counts the same
+        return None
 
 
 def synced_step(model, step: Callable) -> Callable:
