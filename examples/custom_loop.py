@@ -33,6 +33,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 from tf_nvlink.tools import digits_data
 from tf_nvlink.tools import bench_models
 from tf_nvlink.plan import policy
+from tf_nvlink.util.replica_split import replica_split
 
 DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_custom_loop"
 MIN_STEPS_PER_EPOCH = 10  # a small training set is repeated within an epoch to fill at least this many batches
@@ -49,7 +50,7 @@ _XLA_ALLREDUCE = flags.DEFINE_enum(
     "'split': XLA computes the gradients, the cross-device ops all-reduce them; 'auto': fused on 2+ GPUs.")
 _JIT_COMPILE = flags.DEFINE_bool("jit_compile", True, "Compile the train step with XLA.")
 _BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size", 1024, "GLOBAL batch size, split evenly across replicas (must be divisible by their number).",
+    "batch_size", 1024, "GLOBAL batch size, split across the replicas (any size: the loss counts each replica's share).",
     lower_bound=1)
 _EPOCHS = flags.DEFINE_integer("epochs", 10, "Epochs to reach (a resumed run trains only the missing ones).",
                                lower_bound=1)
@@ -131,15 +132,12 @@ def main(argv):
     keras.utils.set_random_seed(_SEED.value)
     strategy = make_strategy(_GPUS.value, _CROSS_DEVICE_OPS.value, _XLA_ALLREDUCE.value)
     replicas = strategy.num_replicas_in_sync
-    if global_batch % replicas:
-        raise app.UsageError(f"--batch_size={global_batch} (the global batch) is not divisible by the {replicas} "
-                             f"replicas; use a multiple of {replicas}.")
     data = digits_data.load_mnist_or_fallback(_DATASET.value)
     repeats, steps = steps_per_epoch(len(data.x_train), global_batch)
     mode = strategy.xla_allreduce if _JIT_COMPILE.value and replicas > 1 else "off" if not _JIT_COMPILE.value \
         else "one replica"
     print(f"dataset: {data.description}\nreplicas: {replicas}, global batch {global_batch} = "
-          f"{global_batch // replicas} per replica, {steps} steps per epoch; XLA: {mode}", flush=True)
+          f"{replica_split(global_batch, replicas)}, {steps} steps per epoch; XLA: {mode}", flush=True)
 
     trainer = Trainer(strategy, global_batch, _LEARNING_RATE.value, _JIT_COMPILE.value)
     epochs_done = tf.Variable(0, trainable=False, dtype=tf.int64)  # outside the scope: one plain variable

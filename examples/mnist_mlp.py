@@ -38,6 +38,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     import tf_nvlink
 from tf_nvlink.tools import digits_data
 from tf_nvlink.plan import policy
+from tf_nvlink.util.replica_split import replica_split
 
 # TensorFlow and Keras are imported by import_tensorflow(), when main() starts: --help and --helpfull stay fast.
 keras = tf = safe_callbacks = bench_models = None
@@ -86,20 +87,6 @@ _MONITOR_NVLINK = flags.DEFINE_bool(
     "monitor_nvlink", False, "Measure NVLink traffic from NVML's counters during training (tf_nvlink.NVLinkMonitor): "
     "nvlink_gbps and nvlink_bytes_per_step in each epoch's line, and one line if NVLink carried far less than the "
     "all-reduce should.")
-
-
-def replica_split(global_batch, num_replicas):
-    """How the global batch splits over the replicas, e.g. "4 + 3" or "32 per replica". Any split trains as one
-    device would: each replica's loss counts by its share of the examples.
-
-    Example:
-        >>> replica_split(7, 2)
-        '4 + 3'
-    """
-    base, extra = divmod(global_batch, num_replicas)
-    if not extra:
-        return f"{base} per replica"
-    return " + ".join(str(base + 1 if replica < extra else base) for replica in range(num_replicas))
 
 
 class EpochPlan(NamedTuple):

@@ -44,6 +44,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tf_nvlink
 from tf_nvlink.util import atomic_files
+from tf_nvlink.util.replica_split import replica_split
 from tf_nvlink.training import callbacks as safe_callbacks
 from tf_nvlink.tools import digits_data
 from tf_nvlink.tools import bench_models
@@ -54,8 +55,8 @@ DEFAULT_MODEL_DIR = "/tmp/tf_nvlink_multi_worker"
 
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Training epochs.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size", 256, "GLOBAL batch size over all workers and their GPUs (must be divisible by the number of "
-    "replicas).", lower_bound=1)
+    "batch_size", 256, "GLOBAL batch size over all workers and their GPUs (any size: each replica "
+    "trains by its share of the examples).", lower_bound=1)
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
     "steps_per_epoch", None, "Global batches per epoch (unset: one pass over the training data).", lower_bound=1)
 _MODEL_DIR = flags.DEFINE_string(
@@ -142,13 +143,10 @@ def main(argv):
     strategy = make_strategy(_PEER_TIMEOUT.value)  # first: before any other TensorFlow op
     keras.utils.set_random_seed(_SEED.value)
     replicas, global_batch = strategy.num_replicas_in_sync, _BATCH_SIZE.value
-    if global_batch % replicas:
-        raise app.UsageError(f"--batch_size={global_batch} (the global batch) is not divisible by the {replicas} "
-                             f"replicas; use a multiple of {replicas}.")
     data = digits_data.load_mnist_or_fallback(_DATASET.value)
     steps = _STEPS_PER_EPOCH.value or math.ceil(len(data.x_train) / global_batch)
     print(f"dataset: {data.description}", flush=True)
-    print(f"replicas: {replicas}, global batch {global_batch} = {global_batch // replicas} per replica, "
+    print(f"replicas: {replicas}, global batch {global_batch} = {replica_split(global_batch, replicas)}, "
           f"{steps} steps per epoch", flush=True)
 
     model_dir = _MODEL_DIR.value or DEFAULT_MODEL_DIR
