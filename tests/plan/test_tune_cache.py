@@ -74,3 +74,19 @@ def test_relative_xdg_cache_home_is_ignored(monkeypatch, xdg, expected):
     monkeypatch.delenv("TF_NVLINK_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     assert tune_cache.cache_dir() == os.path.expanduser(expected)
+
+
+def test_a_cache_folder_that_is_a_file_is_named_as_the_cause(tmp_path):
+    """The cache folder is a regular file, or lies below one: the error names the folder, not the lock."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    raises_naming(lambda: tune_cache.store(tune_record()[0], str(blocker / "autotune.json")),
+                  f"the autotune cache folder {blocker} is not a folder", "TF_NVLINK_CACHE_DIR",
+                  error=tune_cache.CacheError)
+    below = blocker / "sub"
+    raises_naming(lambda: tune_cache.store(tune_record()[0], str(below / "autotune.json")),
+                  f"cannot make the autotune cache folder {below}", "Not a directory", "TF_NVLINK_CACHE_DIR",
+                  error=tune_cache.CacheError)
+    assert f"the autotune cache folder {blocker} is not a folder" in tune_cache.cache_unusable_reason(
+        str(blocker / "autotune.json"))
+    assert blocker.read_text() == "x"  # nothing lost

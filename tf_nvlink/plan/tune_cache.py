@@ -200,10 +200,18 @@ def _read_entries(path: str) -> dict[str, dict]:
 
 
 def _ensure_dir(directory: str) -> None:
+    """Make the cache's folder; CacheError naming the folder when it cannot be one (a regular file stands there
+    or above it, no permission)."""
     try:
         os.makedirs(directory, mode=0o700)
     except FileExistsError:
+        if not os.path.isdir(directory):
+            raise CacheError(f"the autotune cache folder {directory} is not a folder (a file of that name exists): "
+                             f"remove it, or set TF_NVLINK_CACHE_DIR to another folder") from None
         return  # an existing folder keeps its mode: it may be a shared one the user pointed us at
+    except OSError as exc:
+        raise CacheError(f"cannot make the autotune cache folder {directory} ({exc.filename or directory}: "
+                         f"{exc.strerror or exc}): set TF_NVLINK_CACHE_DIR to a folder you can write") from None
     os.chmod(directory, 0o700)  # makedirs' mode is filtered by the umask; this only ever narrows it
 
 
@@ -240,12 +248,12 @@ def cache_unusable_reason(path: str) -> Optional[str]:
 
     Example:
         >>> cache_unusable_reason("/etc/passwd/autotune.json")
-        '/etc/passwd: Not a directory'
+        'the autotune cache folder /etc/passwd is not a folder (a file of that name exists): remove it, ...'
     """
     try:
         _ensure_dir(os.path.dirname(path))
-    except OSError as exc:
-        return f"{exc.filename or os.path.dirname(path)}: {exc.strerror or exc}"
+    except CacheError as exc:
+        return str(exc)
     return atomic_files.unwritable_reason(path)
 
 
