@@ -1,7 +1,7 @@
 """Every private Keras/TensorFlow touch of tf_nvlink (`keras.src`, `tensorflow.python`, private attributes), in
 this one module, each with what it touches, the versions checked and why it exists.
 
-Versions checked: Keras 3.12 to 3.15.1 (`TESTED_KERAS`, setup.cfg's range) and TensorFlow 2.16 to 2.21, unless a
+Versions checked: Keras 3.12 to 3.15.1 (`TESTED_KERAS`, setup.cfg's range) and TensorFlow 2.21 (setup.cfg's floor, what CI tests), unless a
 note says otherwise; tests/training/test_install.py and test_replica_sync.py pin the Keras source these rely on.
 Nothing else in tf_nvlink/ may touch a private name (tests/test_private_api.py checks it). The callers pass
 their own logic in (the trainer hooks' step builder, the "is this a tf_nvlink strategy" check), so this module
@@ -530,14 +530,14 @@ def one_step_function(model, step_function, jit_compile: bool = False):
 
 def worker_count(strategy) -> int:
     """The number of worker processes of a strategy (1 for MirroredStrategy). Touches the private
-    `extended._num_workers` of MultiWorkerMirroredStrategy (TensorFlow 2.16 to 2.21); no public accessor."""
+    `extended._num_workers` of MultiWorkerMirroredStrategy (TensorFlow 2.21); no public accessor."""
     return int(getattr(strategy.extended, "_num_workers", 1) or 1)
 
 
 def device_bytes_free(device: str):
     """Bytes the TensorFlow allocator of GPU `device` can still hand out (its limit less what it holds now), or
     None for a CPU or when unknown. Touches `device_lib.list_local_devices` (the allocator's `memory_limit`, no
-    public accessor; TensorFlow 2.16 to 2.21) once per device; `tf.config.experimental.get_memory_info` gives the
+    public accessor; TensorFlow 2.21) once per device; `tf.config.experimental.get_memory_info` gives the
     bytes in use. Why: the compiled execution checks that the N staged batches fit before training starts."""
     name = device.split("device:")[-1].upper()
     if not name.startswith("GPU:"):
@@ -609,7 +609,7 @@ def cross_replica_sum_impossible_here() -> bool:
     there a replica-context all-reduce cannot be compiled into the replica's XLA program.
 
     Why: whether the strategy uses merge_call is only the private `MirroredExtended._use_merge_call()`
-    (TensorFlow 2.16 to 2.21 checked); TensorFlow answers False for all-GPU replicas under XLA (fused mode).
+    (TensorFlow 2.21 checked); TensorFlow answers False for all-GPU replicas under XLA (fused mode).
     """
     return in_xla_context() and tf.distribute.get_strategy().extended._use_merge_call()  # noqa: SLF001
 
@@ -770,7 +770,7 @@ def jit_tf_function(fn):
     """(tf.function, python function, autograph flag) when `fn` is a `tf.function(jit_compile=True)`, or Keras'
     `_autoconvert_optionals` wrapper of one (reached through `__wrapped__`); else None.
 
-    Touches `tf.function`'s private `_jit_compile` and `_autograph` (TensorFlow 2.16-2.21; no public accessor):
+    Touches `tf.function`'s private `_jit_compile` and `_autograph` (TensorFlow 2.21; no public accessor):
     tf_nvlink recompiles such a function once per replica, with the user's autograph setting."""
     target = fn if hasattr(fn, "python_function") else getattr(fn, "__wrapped__", fn)
     if not (getattr(target, "_jit_compile", False) and hasattr(target, "python_function")):
@@ -977,7 +977,7 @@ def coordination_get(key: str, timeout_ms: int) -> str:
 def recorded_run_metadata():
     """Record TensorFlow's run metadata (function graphs after Grappler) while the block runs; yields a list
     that holds the `RunMetadata` afterwards. Why: the all-reduce bench inspects the optimised graphs; run
-    metadata exists only in `tensorflow.python.eager.context` (TensorFlow 2.16-2.21)."""
+    metadata exists only in `tensorflow.python.eager.context` (TensorFlow 2.21)."""
     from tensorflow.python.eager import context  # noqa: PLC0415
 
     recorded: list = []
