@@ -110,13 +110,14 @@ CUSTOM_LOOP = str(ROOT / "examples" / "custom_loop.py")
 @pytest.mark.slow  # two trainings; tests/training/test_per_replica_steps.py covers the jit step through strategy.run
 def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp_path):
     """examples/custom_loop.py: a jit step through strategy.run on 2 CPU replicas (split mode), then a rerun with
-    more epochs resumes from the tf.train.Checkpoint and trains only the missing epoch."""
-    flags = ["--dataset", "digits", "--batch_size", "256", "--model_dir", str(tmp_path)]
+    more epochs resumes from the tf.train.Checkpoint and trains only the missing epoch. The global batch, 255, is
+    not a multiple of the replicas: it splits 128 + 127 and trains as one device would."""
+    flags = ["--dataset", "digits", "--batch_size", "255", "--model_dir", str(tmp_path)]
     first = run_python(_with_cpu_replicas(2, flags + ["--epochs", "1"], script=CUSTOM_LOOP), timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     out = first.stdout
     assert len(re.findall(r"^tf_nvlink plan: ", out, re.M)) == 1, out
-    assert "replicas: 2, global batch 256 = 128 per replica, 11 steps per epoch; XLA: split" in out
+    assert "replicas: 2, global batch 255 = 128 + 127, 11 steps per epoch; XLA: split" in out
     assert re.search(r"^epoch 1/1: loss [\d.]+, accuracy [\d.]+, [\d,]+ examples/s .*saved .*ckpt-1$", out, re.M)
     second = run_python(_with_cpu_replicas(2, flags + ["--epochs", "2"], script=CUSTOM_LOOP), timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
