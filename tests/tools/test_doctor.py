@@ -116,6 +116,28 @@ def test_steps_per_execution_choice_and_calls_per_step():
     assert advice.saved_ms == pytest.approx((11.5 * (2 / 8) - 11.5 / 32) * GAP_REMOVED_BY_MULTI_STEP, rel=1e-3)
 
 
+def test_steps_per_execution_advice_on_the_compiled_path_counts_the_whole_gap_and_the_staged_memory():
+    """Where the N steps run as one XLA program per replica the whole per-call gap goes, once per N steps, and N
+    stops where about 4N staged batches would take over a quarter of the device's free memory."""
+    space = xspace({"/device:GPU:0": host_bound_steps(steps=8)})
+    (activity,) = gpu_activity(space).values()
+    b = replica_breakdown(activity, step_ms=30.0, steps=8, calls=8)
+    compiled = StepContext(replicas=1, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                           compiled_execution=True)
+    advice = [a for a in diagnose(b, compiled).advice if a.change.startswith("steps_per_execution")][0]
+    assert advice.change == "steps_per_execution=32"
+    assert advice.saved_ms == pytest.approx(11.5 * (1 - 1 / 32), rel=1e-3)  # no GAP_REMOVED_BY_MULTI_STEP
+    assert "one XLA program per replica" in advice.why
+    batch = 19 * 2**20  # ResNet-50's 128 uint8 images: 4 x 8 of them fit in a quarter of 2.5 GiB, 4 x 16 do not
+    tight = dataclasses.replace(compiled, batch_bytes=batch, device_free_bytes=int(2.5 * 2**30))
+    advice = [a for a in diagnose(b, tight).advice if a.change.startswith("steps_per_execution")][0]
+    assert advice.change == "steps_per_execution=8"
+    assert advice.saved_ms == pytest.approx(11.5 * (1 - 1 / 8), rel=1e-3)
+    assert "at most 8: about 4N batches of 19.0 MiB are held per device" in advice.why
+    none_fit = dataclasses.replace(tight, device_free_bytes=batch)
+    assert not [a for a in diagnose(b, none_fit).advice if a.change.startswith("steps_per_execution")]
+
+
 def test_input_bound_verdict_float_and_uint8_input():
     events = [("MemcpyH2D", 0.0, 12.0), ("fusion", 12.0, 18.0)]
     b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=30.5,

@@ -40,8 +40,9 @@ COMPILED = "compiled"
 PER_STEP = "per-step"
 
 
-def execution_path(model) -> tuple[str, str]:
-    """(COMPILED or PER_STEP, why) for the train/test function of `model` under a tf_nvlink strategy.
+def execution_path(model, steps: Optional[int] = None) -> tuple[str, str]:
+    """(COMPILED or PER_STEP, why) for the train/test function of `model` under a tf_nvlink strategy, at its
+    `steps_per_execution` or at `steps` (what the step doctor asks before advising one).
 
     Example:
         >>> execution_path(model)
@@ -49,7 +50,9 @@ def execution_path(model) -> tuple[str, str]:
     """
     strategy = model.distribute_strategy
     plan = getattr(strategy, "plan", None)
-    steps = model.steps_per_execution
+    steps = model.steps_per_execution if steps is None else steps
+    if plan is None:
+        return PER_STEP, "not under a tf_nvlink strategy: Keras' own loop"
     if steps <= 1:
         return PER_STEP, "steps_per_execution=1"
     if not getattr(plan, "compiled_execution", True):

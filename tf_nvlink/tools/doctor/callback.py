@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 import keras
 
+from tf_nvlink import internals
 from tf_nvlink.machine import nvml as nvml_module
 from tf_nvlink.machine.nvlink_traffic import gradient_bytes, per_gpu_bytes, traffic_delta, unreadable_reasons
 from tf_nvlink.machine.nvml import NvLinkCounterReader
@@ -39,6 +40,7 @@ from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
 from tf_nvlink.tools.doctor import outputs
 from tf_nvlink.tools.doctor.diagnosis import diagnose_trace
 from tf_nvlink.tools.doctor.verdict import StepContext
+from tf_nvlink.training import compiled_execution
 
 log = logging.getLogger("tf_nvlink")
 
@@ -69,11 +71,40 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
                 link = None
     float_input = any(str(getattr(t, "dtype", "")) in ("float32", "float64") for t in (model.inputs or ()))
     variables = model.trainable_variables
+    per_replica_batch = global_batch // replicas if global_batch else 0
+    compiled = compiled_execution.execution_path(
+        model, max(2, int(getattr(model, "steps_per_execution", 1) or 1)))[0] == compiled_execution.COMPILED
+    try:
+        devices = tuple(strategy.extended.worker_devices) or ("",)
+    except RuntimeError:  # the default strategy has no device list
+        devices = ("",)
     return StepContext(replicas=replicas, steps_per_execution=int(getattr(model, "steps_per_execution", 1) or 1),
                        gradient_bytes=gradient_bytes(variables, "float32"), gradient_tensors=max(len(variables), 1),
-                       per_replica_batch=global_batch // replicas if global_batch else 0,
+                       per_replica_batch=per_replica_batch,
                        allreduce_dtype=getattr(plan, "allreduce_dtype", "float32"), float_input=float_input,
-                       link=link, machine_kind=kind, xla_flags=os.environ.get("XLA_FLAGS", ""))
+                       link=link, machine_kind=kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                       compiled_execution=compiled, batch_bytes=_input_bytes(model, per_replica_batch),
+                       device_free_bytes=internals.device_bytes_free(devices[0]) or 0)
+
+
+def _input_bytes(model, batch: int) -> int:
+    """One replica's input bytes per step, from the model's input specs (0 when a shape is unknown)."""
+    total = 0
+    for tensor in model.inputs or ():
+        dims = list(getattr(tensor, "shape", ())[1:])
+        if any(d is None for d in dims):
+            return 0
+        size = 1
+        for d in dims:
+            size *= int(d)
+        total += size * _dtype_bytes(tensor.dtype)
+    return total * batch
+
+
+def _dtype_bytes(dtype) -> int:
+    import numpy as np  # noqa: PLC0415
+
+    return int(np.dtype(keras.backend.standardize_dtype(dtype)).itemsize)
 
 
 class StepDoctor(keras.callbacks.Callback):

@@ -2,8 +2,10 @@
 help most, each with its predicted gain.
 
 - host-bound: the GPU idles (waits for the host). The per-call gap is paid once per call, so
-  `steps_per_execution=N` saves `gap * (calls per step - 1/N) * GAP_REMOVED_BY_MULTI_STEP` per step (the loop's
-  steps still launch one by one).
+  `steps_per_execution=N` saves `gap * (calls per step - 1/N)` per step where the N steps run as one XLA program
+  per replica (tf_nvlink's compiled execution), and `GAP_REMOVED_BY_MULTI_STEP` of that on the per-step path
+  (Keras' loop still launches the steps one by one). N is capped so that the staged batches (about 4N) take at
+  most STAGED_MEMORY_SHARE of the device's free memory.
 - input-bound: host-to-device copies not hidden behind compute. float32 input sent as uint8 moves a quarter of the
   bytes (saves 3/4 of the exposed copy); prefetching to the devices hides the copy (saves all of it).
 - link-bound: the all-reduce not hidden behind compute. `allreduce_dtype="bfloat16"` halves the bytes: the saving is
@@ -37,6 +39,10 @@ REMAINING_GAP_FRACTION = 0.02
 # XLA program and takes its batch from the iterator, so only part of the idle time between calls goes away. Fitted
 # to the step doctor's runs on 1x H200 (docs/results.md: ResNet-50 0.61, the 368M Transformer 0.52 of the gap).
 GAP_REMOVED_BY_MULTI_STEP = 0.55
+# The compiled execution holds about 4N batches per device (the N staged, their stacked copy, the next N taken
+# and N prefetched): N is chosen so that they take at most this share of the device's free memory.
+STAGED_BATCHES = 4
+STAGED_MEMORY_SHARE = 0.25
 LATENCY_HIDING_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 
@@ -49,7 +55,10 @@ class StepContext:
     allreduce_dtype: the dtype the gradients cross the link in; float_input: the model takes float32 input
     (sent to the GPUs at 4 bytes an element); link: the cost model of this machine's GPUs (None: one GPU or no
     NVML); machine_kind: topology kind of the GPUs ("nvswitch", "nvlink-all", "pcie", "single", ...); xla_flags:
-    the XLA_FLAGS the process runs with (tf_nvlink sets the latency-hiding scheduler for fused multi-GPU XLA).
+    the XLA_FLAGS the process runs with (tf_nvlink sets the latency-hiding scheduler for fused multi-GPU XLA);
+    compiled_execution: steps_per_execution > 1 would run as one XLA program per replica
+    (`tf_nvlink.training.compiled_execution.execution_path`); batch_bytes: one replica's input bytes per step;
+    device_free_bytes: free bytes of a replica's device (0 when unknown).
     """
 
     replicas: int
@@ -62,6 +71,9 @@ class StepContext:
     link: Optional[costmodel.LinkModel] = None
     machine_kind: str = "unknown"
     xla_flags: str = ""
+    compiled_execution: bool = False
+    batch_bytes: int = 0
+    device_free_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,18 +112,30 @@ def _advice(change: str, why: str, saved_ms: float, step_ms: float) -> Advice:
 
 def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Optional[Advice]:
     """`steps_per_execution=N` for the smallest N of STEPS_PER_EXECUTION_CHOICES (above the current one) that
-    leaves at most REMAINING_GAP_FRACTION of the step in per-call gaps; None without a per-call gap."""
+    leaves at most REMAINING_GAP_FRACTION of the step in per-call gaps, and whose staged batches fit (compiled
+    execution); None without a per-call gap."""
     if b.per_call_gap_ms <= 0:
         return None
     now = b.per_call_gap_ms * b.calls_per_step
     larger = [n for n in STEPS_PER_EXECUTION_CHOICES if n > context.steps_per_execution]
+    memory_note = ""
+    if context.compiled_execution and context.batch_bytes and context.device_free_bytes:
+        fits = [n for n in larger
+                if STAGED_BATCHES * n * context.batch_bytes <= STAGED_MEMORY_SHARE * context.device_free_bytes]
+        if len(fits) < len(larger):
+            memory_note = (f"; at most {fits[-1] if fits else context.steps_per_execution}: about "
+                           f"{STAGED_BATCHES}N batches of {context.batch_bytes / 2**20:.1f} MiB are held per device")
+        larger = fits
     if not larger:
         return None
     chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * b.step_ms), larger[-1])
-    saved = (now - b.per_call_gap_ms / chosen) * GAP_REMOVED_BY_MULTI_STEP
+    removed = 1.0 if context.compiled_execution else GAP_REMOVED_BY_MULTI_STEP
+    saved = (now - b.per_call_gap_ms / chosen) * removed
+    how = ("the N steps then run as one XLA program per replica" if context.compiled_execution
+           else "Keras' loop still launches each step")
     return _advice(f"steps_per_execution={chosen}",
                    f"each training-function call leaves the GPU idle {b.per_call_gap_ms:.2f} ms between calls; "
-                   f"{chosen} steps per call pay the call's share of it once", saved, b.step_ms)
+                   f"{chosen} steps per call pay the call's share of it once ({how}){memory_note}", saved, b.step_ms)
 
 
 def input_advice(b: ReplicaBreakdown, context: StepContext) -> Optional[Advice]:
