@@ -76,6 +76,21 @@ def fits(case, model, callback):
     elif case == "unknown_length":  # the dataset's length is unknown until it ends, mid-execution
         data = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH)
         history = model.fit(data, epochs=2, verbose=0, callbacks=[callback])
+    elif case == "rest_of_fit":  # validation, atomic checkpoints, a backup a second fit resumes from
+        import tempfile
+
+        from tf_nvlink.training import callbacks as safe_callbacks
+
+        folder = tempfile.mkdtemp()
+        extra = [safe_callbacks.EpochCheckpoint(os.path.join(folder, "ckpt")),
+                 safe_callbacks.AtomicBackupAndRestore(os.path.join(folder, "backup"))]
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, validation_data=(x, y),
+                            callbacks=[callback, *extra])
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=(x, y),
+                            callbacks=[callback, *extra])  # resumes at epoch 2
+        model.predictions = model.predict(x, batch_size=BATCH, verbose=0).ravel().tolist()
+        model.checkpoints = sorted(os.listdir(os.path.join(folder, "ckpt")))
+        return history.history["loss"] + history.history["val_loss"]
     else:  # numpy arrays: per epoch 4 batches of 15 (one execution) and one of 10 (its own program)
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
     return history.history["loss"]
@@ -101,6 +116,7 @@ def train(case, compiled):
         "programs_run": getattr(function, "programs_run", None),
         "outer_traced": function._outer.experimental_get_tracing_count() if hasattr(function, "_outer") else None,
         "test_function": type(model.test_function).__name__,
+        "predictions": getattr(model, "predictions", None), "checkpoints": getattr(model, "checkpoints", None),
     }
 
 
@@ -126,7 +142,7 @@ def staged_memory_check():
         internals.device_bytes_free = free
 
 
-CASES = ("numpy", "steps_per_epoch", "unknown_length", "accumulate", "loss_scale", "no_batchnorm")
+CASES = ("numpy", "steps_per_epoch", "unknown_length", "accumulate", "loss_scale", "no_batchnorm", "rest_of_fit")
 selected = sys.argv[2].split(",") if len(sys.argv) > 2 else CASES
 results = {case: {"per_step": train(case, False), "compiled": train(case, True)} for case in selected
            if case != "memory_check"}

@@ -5,26 +5,32 @@ same step, the loop is unrolled conds there). `compiled_execution_cases.py` trai
 compiled in one process per layout; the GPU tests (tests/test_gpu.py) run the same cases under XLA.
 """
 
-import json
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import scenarios
-from conftest import run_python
 
-_CASES = "tests/training/compiled_execution_cases.py"
-_RESULTS: dict = {}
+_CASES = str(Path(__file__).resolve().parent / "compiled_execution_cases.py")
 
 
-def _cases(layout, cases):
-    key = (layout, cases)
-    if key not in _RESULTS:
-        proc = run_python([_CASES, layout, cases], timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _RESULTS[key] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _RESULTS[key]
+def _cases_body(layout, cases):
+    """A scenario case that runs compiled_execution_cases.py (its own process: it builds its own strategy)."""
+    return (f"import json, subprocess, sys\n"
+            f"proc = subprocess.run([sys.executable, {_CASES!r}, {layout!r}, {cases!r}], capture_output=True, "
+            f"text=True, timeout=900)\n"
+            f"assert proc.returncode == 0, proc.stderr[-3000:]\n"
+            f"result = json.loads(proc.stdout.strip().splitlines()[-1])\n")
+
+
+# Started in the background when the tests are collected (tests/scenarios.py), so they run beside other tests.
+TWO = scenarios.Scenario("compiled_execution_two_replicas", prelude="", cases={
+    "all": _cases_body("emulated2", ",".join(["numpy", "steps_per_epoch", "unknown_length", "accumulate",
+                                               "loss_scale", "no_batchnorm", "rest_of_fit"]))}, timeout=900)
+ONE = scenarios.Scenario("compiled_execution_one_replica", prelude="", cases={
+    "all": _cases_body("emulated1", "numpy,steps_per_epoch,unknown_length,memory_check")}, timeout=900)
 
 
 def _assert_same_training(case, per_step, compiled):
@@ -38,16 +44,17 @@ def _assert_same_training(case, per_step, compiled):
 # Batch ends the callbacks see (every N steps, as Keras reports steps_per_execution), per case: 70 examples in
 # batches of 15 are 4 + 1 steps an epoch; steps_per_epoch=7 is 4 + 3.
 _BATCH_ENDS = {"numpy": [3, 4, 3, 4], "steps_per_epoch": [3, 6] * 3, "unknown_length": [3, 7, 3, 7],
-               "accumulate": [3, 4, 3, 4], "loss_scale": [3, 4, 3, 4], "no_batchnorm": [3, 4, 3, 4]}
-_ALL = ",".join(_BATCH_ENDS)
+               "accumulate": [3, 4, 3, 4], "loss_scale": [3, 4, 3, 4], "no_batchnorm": [3, 4, 3, 4],
+               "rest_of_fit": [3, 4, 3, 4]}
 
 
 @pytest.mark.parametrize("case", list(_BATCH_ENDS))
 def test_two_replicas_compiled_equal_per_step_training(case):
     """2 replicas in fused mode, an uneven 8 + 7 split in every full execution: the same weights, losses, metrics
     and evaluate results as one program per step, full and partial executions, a short last batch as its own
-    program (2 programs per replica whatever the epochs), the steps each epoch asks for."""
-    runs = _cases("emulated2", _ALL)[case]
+    program (2 programs per replica whatever the epochs), the steps each epoch asks for; validation data,
+    checkpoints, backup and resume, and predict as on the per-step path."""
+    runs = TWO.result("all")[case]
     per_step, compiled = runs["per_step"], runs["compiled"]
     _assert_same_training(case, per_step, compiled)
     assert compiled["programs_traced"] == [2, 2]  # one program per batch shape and replica, none per epoch
@@ -56,16 +63,21 @@ def test_two_replicas_compiled_equal_per_step_training(case):
     assert compiled["iterations"] == steps
     if case != "unknown_length":  # per step, Keras counts the call that finds the data at its end as a step too
         assert per_step["iterations"] == steps
+    if case == "rest_of_fit":  # validation, checkpoints, a resumed fit (epoch 2 of 2), predict
+        assert compiled["checkpoints"] == per_step["checkpoints"] == ["epoch_001.keras", "epoch_002.keras"]
+        np.testing.assert_allclose(compiled["predictions"], per_step["predictions"], rtol=1e-5, atol=1e-6)
 
 
 def test_one_replica_compiled_equals_per_step_training():
-    for case, runs in _cases("emulated1", "numpy,steps_per_epoch,unknown_length").items():
+    for case, runs in ONE.result("all").items():
+        if case == "memory_check":
+            continue
         _assert_same_training(case, runs["per_step"], runs["compiled"])
         assert runs["compiled"]["programs_traced"] == [2], case
 
 
 def test_batches_that_do_not_fit_raise_before_training():
-    result = _cases("emulated1", "memory_check")["memory_check"]
+    result = ONE.result("all")["memory_check"]
     assert result["weights_unchanged"]
     assert "steps_per_execution=4 stages 4 batches on each replica's device" in result["error"]
     assert "(1000 bytes) free" in result["error"] and "smaller steps_per_execution (e.g. 2)" in result["error"]
