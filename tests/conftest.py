@@ -76,4 +76,22 @@ def fused_strategy_emulated_on_cpu(devices=("/cpu:0", "/cpu:1")):
     strategy = tf_nvlink.strategy(devices=list(devices), cross_device_ops="collective")
     base.attach_plan(strategy, dataclasses.replace(strategy.plan, xla_allreduce="fused"))
     return strategy
+
+
+def two_cpu_strategy(mode):
+    """2 logical CPU devices, then the strategy a test script runs as `mode`: "single" (TensorFlow's default, one
+    device), "stock" (tf.distribute.MirroredStrategy), "fused" (fused_strategy_emulated_on_cpu), anything else
+    tf_nvlink.strategy() over both CPUs (split mode with jit_compile=True, plain without)."""
+    import tensorflow as tf
+    import tf_nvlink
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    if mode == "fused":
+        return fused_strategy_emulated_on_cpu()
+    if mode == "single":
+        return tf.distribute.get_strategy()
+    if mode == "stock":
+        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 '''

@@ -337,14 +337,19 @@ def _clip_after_allreduce(optimizer) -> bool:
     return context is not None and context.num_replicas_in_sync > 1 and _under_tf_nvlink(optimizer)
 
 
-@contextlib.contextmanager
 def _clipping_later():
-    saved = getattr(_CLIP, "skip", False)
-    _CLIP.skip = True
+    return _thread_setting(_CLIP, "skip", True)
+
+
+@contextlib.contextmanager
+def _thread_setting(local: threading.local, name: str, value):
+    """`local.name = value` while the block runs in this thread, the earlier value (or None) back after it."""
+    saved = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _CLIP.skip = saved
+        setattr(local, name, saved)
 
 
 def clip_reduced_gradients(optimizer, grads: list) -> list:
@@ -1056,12 +1061,8 @@ def loss_share_while_tracing(share):
     it for the logged loss with `unscale_loss_for_distribution`; with a last batch split 1 + 0 the step's
     gradient is then half the single-device one. The hooks (`_install_loss_share_hooks`) read this thread-local
     share; with none set they run Keras' own functions."""
-    saved = getattr(_LOSS_SHARE, "value", None)
-    _LOSS_SHARE.value = share
-    try:
+    with _thread_setting(_LOSS_SHARE, "value", share):
         yield
-    finally:
-        _LOSS_SHARE.value = saved
 
 
 def _install_loss_share_hooks() -> None:

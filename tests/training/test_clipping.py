@@ -15,17 +15,8 @@ _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
 import numpy as np, tensorflow as tf
 mode = MODE
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-if mode == "fused":
-    strategy = fused_strategy_emulated_on_cpu()
-elif mode == "single":
-    strategy = tf.distribute.get_strategy()
-elif mode == "stock":
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+strategy = two_cpu_strategy(mode)
+import keras
 rng = np.random.default_rng(0)
 x = rng.normal(size=(96, 8)).astype("float32"); y = (3 * rng.normal(size=(96, 4))).astype("float32")
 OPTIMIZERS = {"clipnorm": dict(clipnorm=0.05), "global_clipnorm": dict(global_clipnorm=0.05),

@@ -13,18 +13,11 @@ import pytest
 from conftest import FUSED_CPU_EMULATION, run_python
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
-import json, sys
+import json
 import numpy as np, tensorflow as tf
-mode = sys.argv[1]
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-if mode == "fused":
-    strategy = fused_strategy_emulated_on_cpu()
-elif mode == "stock":
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+mode = MODE
+strategy = two_cpu_strategy(mode)
+import keras
 
 def copies(variable):
     value = getattr(variable, "value", variable)
@@ -58,7 +51,7 @@ _RESULTS = {}
 
 def _run(mode):
     if mode not in _RESULTS:
-        proc = run_python(_SCRIPT.replace("sys.argv[1]", repr(mode)))
+        proc = run_python(_SCRIPT.replace("MODE", repr(mode)))
         assert proc.returncode == 0, proc.stderr[-3000:]
         _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     return _RESULTS[mode]
