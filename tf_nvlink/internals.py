@@ -1052,16 +1052,20 @@ def _keras_loss_module():
 
 
 @contextlib.contextmanager
-def loss_share_while_tracing(share):
+def loss_share_while_tracing(share, weight_share=None):
     """While one replica's train step is traced: Keras scales that replica's mean loss by `share` (a float32
-    scalar tensor, the replica's examples over the global batch's) instead of 1/num_replicas.
+    scalar tensor, the replica's examples over the global batch's) instead of 1/num_replicas, and a
+    `reduction="mean_with_sample_weight"` loss (divided by the replica's sum of sample weights) by `weight_share`
+    (the replica's sample weights over the step's; default `share`).
 
     Why: Keras 3 (3.12 to 3.15 checked) scales every replica's mean loss by 1/num_replicas in the module functions
     `keras.src.losses.loss.scale_loss_for_distribution` (the compiled loss, the regularisation losses) and undoes
     it for the logged loss with `unscale_loss_for_distribution`; with a last batch split 1 + 0 the step's
     gradient is then half the single-device one. The hooks (`_install_loss_share_hooks`) read this thread-local
-    share; with none set they run Keras' own functions."""
-    with _thread_setting(_LOSS_SHARE, "value", share):
+    share; with none set they run Keras' own functions. `reduce_values` (the weighted reductions) is hooked too:
+    for "mean_with_sample_weight" with weights it scales by the weight share."""
+    with _thread_setting(_LOSS_SHARE, "value", share), \
+            _thread_setting(_LOSS_SHARE, "weight", share if weight_share is None else weight_share):
         yield
 
 
@@ -1084,8 +1088,18 @@ def _install_loss_share_hooks() -> None:
             return unscale(value)
         return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))  # a replica with 0 examples logs 0
 
+    reduce_values = _STATE.originals["loss_module.reduce_values"] = module.reduce_values
+
+    def reduce_values_weighted(values, sample_weight=None, reduction="sum_over_batch_size"):
+        weight_share = getattr(_LOSS_SHARE, "weight", None)
+        if weight_share is None or reduction != "mean_with_sample_weight" or sample_weight is None:
+            return reduce_values(values, sample_weight, reduction)
+        with _thread_setting(_LOSS_SHARE, "value", weight_share):  # its divisor is the replica's weights
+            return reduce_values(values, sample_weight, reduction)
+
     module.scale_loss_for_distribution = scale_loss_for_distribution
     module.unscale_loss_for_distribution = unscale_loss_for_distribution
+    module.reduce_values = reduce_values_weighted
 
 
 # ==== TensorFlow profiler traces (the step doctor) ===========================================================

@@ -209,7 +209,11 @@ def test_keras_internals_the_hook_relies_on():
     scale = inspect.getsource(internals._STATE.originals.get("loss_module.scale_loss_for_distribution",
                                                            loss_module.scale_loss_for_distribution))
     assert "1.0 / num_replicas" in scale
-    assert "scale_loss_for_distribution(loss)" in inspect.getsource(loss_module.reduce_values)
+    reduce_values = inspect.getsource(internals._STATE.originals.get("loss_module.reduce_values",
+                                                                    loss_module.reduce_values))
+    assert "scale_loss_for_distribution(loss)" in reduce_values
+    assert 'if reduction == "mean_with_sample_weight" and sample_weight is not None:' in reduce_values
+    assert "reduce_values(values, sample_weight, reduction)" in inspect.getsource(loss_module.reduce_weighted_values)
     assert "loss_module.unscale_loss_for_distribution(loss)" in inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
     assert "loss_module.scale_loss_for_distribution(loss)" in inspect.getsource(
         tf_trainer.TensorFlowTrainer._aggregate_additional_loss)

@@ -11,8 +11,9 @@ global batch's mean loss, exactly as on one device, whatever the split; a replic
 in the all-reduces (no hang) and adds zero. N is one all-reduced float32 scalar per train step, taken outside
 XLA in split mode and inside each replica's program in fused mode. Regularisation losses (counted once over
 the replicas), `gradient_accumulation_steps`, metrics and the logged loss then match one device too, and so
-does gradient clipping, which acts on the all-reduced gradients (tf_nvlink.training.gradient_allreduce). Not
-covered: the "mean_with_sample_weight" loss reduction, whose divisor is the replica's own sum of weights.
+does gradient clipping, which acts on the all-reduced gradients (tf_nvlink.training.gradient_allreduce). A loss
+with `reduction="mean_with_sample_weight"` divides by the sum of the sample weights, so its replica scale is the
+replica's share of the step's weights instead (`replica_shares`).
 
 Custom training loops: `average_loss(per_example_loss)` is the same rule for a user-written loss.
 """
@@ -25,7 +26,7 @@ import tensorflow as tf
 
 from tf_nvlink.internals import cross_replica_sum_impossible_here, loss_share_while_tracing
 
-__all__ = ["average_loss", "examples_in", "replica_share", "weighted_by_examples"]
+__all__ = ["average_loss", "examples_in", "replica_share", "replica_shares", "weighted_by_examples"]
 
 
 def examples_in(data) -> tf.Tensor:
@@ -43,7 +44,8 @@ def examples_in(data) -> tf.Tensor:
 
 
 def replica_share(examples) -> tf.Tensor:
-    """In a replica context: this replica's `examples` over all replicas' (float32; 0.0 when the step has none).
+    """In a replica context: this replica's `examples` (a count, or a sum of sample weights) over all replicas'
+    (float32; 0.0 when the step has none).
 
     Example:
         >>> share = strategy.run(lambda x: replica_share(tf.shape(x)[0]), args=(batch,))
@@ -55,6 +57,22 @@ def replica_share(examples) -> tf.Tensor:
     return tf.math.divide_no_nan(local, context.all_reduce(tf.distribute.ReduceOp.SUM, local))
 
 
+def replica_shares(data) -> tuple:
+    """In a replica context, for one replica's batch `data`: (its share of the step's examples, its share of the
+    step's sample weights). Without sample weights (`data` is not (x, y, sample_weight)) both are the first.
+    The weight share is the scale of a `reduction="mean_with_sample_weight"` loss, whose divisor is the sum of the
+    weights, as the example share is of the other reductions'.
+
+    Example:
+        >>> shares = strategy.run(replica_shares, args=(batch,))
+    """
+    share = replica_share(examples_in(data))
+    weights = data[2] if isinstance(data, (tuple, list)) and len(data) == 3 else None
+    if weights is None or not hasattr(weights, "dtype") or not weights.dtype.is_floating:
+        return share, share
+    return share, replica_share(tf.reduce_sum(tf.cast(weights, tf.float32)))
+
+
 def weighted_by_examples(step_function: Callable) -> Callable:
     """`model.train_step` with each replica's loss scaled by its share of the global batch (plain mode: the
     share's all-reduce sits in the same graph as the step).
@@ -64,7 +82,7 @@ def weighted_by_examples(step_function: Callable) -> Callable:
     """
 
     def step(data):
-        with loss_share_while_tracing(replica_share(examples_in(data))):
+        with loss_share_while_tracing(*replica_shares(data)):
             return step_function(data)
 
     return step

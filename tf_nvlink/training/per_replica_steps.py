@@ -12,7 +12,7 @@ from tf_nvlink import internals
 from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, build_optimizer,
                                  loss_share_while_tracing, merge_call_explained, only_first_replica_variables,
                                  optimizer_calls, replica_local)
-from tf_nvlink.training.exact_batches import examples_in, replica_share
+from tf_nvlink.training.exact_batches import replica_shares
 
 
 class PerReplicaXlaStep:
@@ -43,8 +43,8 @@ class PerReplicaXlaStep:
         step_function = self.step_function
 
         def body(data):
-            share = replica_share(examples_in(data))  # in this replica's XLA program, as the gradients' all-reduce
-            with replica_local(only_first_replica_variables(optimizer)), loss_share_while_tracing(share):
+            shares = replica_shares(data)  # in this replica's XLA program, as the gradients' all-reduce
+            with replica_local(only_first_replica_variables(optimizer)), loss_share_while_tracing(*shares):
                 return step_function(data)  # the apply hook agrees on finite
 
         return body
@@ -65,8 +65,8 @@ class PerReplicaXlaStep:
             return self._compiled[replica_id]
 
     def _train_body(self, replica_id: int) -> Callable:
-        def body(data, share):
-            with optimizer_calls("catch") as caught, loss_share_while_tracing(share):
+        def body(data, shares):
+            with optimizer_calls("catch") as caught, loss_share_while_tracing(*shares):
                 logs = self.step_function(data)  # the apply hook records the update instead of running it
             if not caught:
                 raise UnsupportedKerasError(
@@ -90,9 +90,9 @@ class PerReplicaXlaStep:
         compiled = self._compiled_for(replica_id)
         if self.fused:
             return compiled(data)
-        share = replica_share(examples_in(data))  # outside XLA: split mode all-reduces through merge_call
+        shares = replica_shares(data)  # outside XLA: split mode all-reduces through merge_call
         with merge_call_explained():
-            logs, grads = compiled(data, share)
+            logs, grads = compiled(data, shares)
         for (optimizer, variables), call_grads in zip(self._updates[replica_id], grads):
             if variables:
                 # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
