@@ -58,6 +58,23 @@ def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):
     return subprocess.run(args, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+class ModeScript:
+    """A test script run once per mode in its own process (one strategy per process): `script` holds the word
+    MODE where the mode's repr goes, and prints one JSON line last. `result(mode)` runs it on first use."""
+
+    def __init__(self, script):
+        self.script, self.results = script, {}
+
+    def result(self, mode):
+        import json
+
+        if mode not in self.results:
+            proc = run_python(self.script.replace("MODE", repr(mode)))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            self.results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return self.results[mode]
+
+
 # Source text for the subprocess scripts that check tf_nvlink's fused XLA mode on CPU: prepend it to a script,
 # then call `fused_strategy_emulated_on_cpu()` (after configuring the logical CPUs) instead of tf_nvlink.strategy().
 FUSED_CPU_EMULATION = r'''

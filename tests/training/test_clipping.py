@@ -4,12 +4,10 @@ tf_nvlink.training.gradient_allreduce): `clipnorm`, `global_clipnorm` and `clipv
 mode, against the same training on one device. Each mode runs in its own process, every optimizer in it.
 """
 
-import json
-
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, run_python
+from conftest import FUSED_CPU_EMULATION, ModeScript
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
@@ -36,15 +34,7 @@ for name, options in OPTIMIZERS.items():
     results[name] = [w.tolist() for w in model.get_weights()]
 print(json.dumps(results))
 """
-_RESULTS = {}
-
-
-def _weights(mode):
-    if mode not in _RESULTS:
-        proc = run_python(_SCRIPT.replace("MODE", repr(mode)))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _RESULTS[mode]
+_weights = ModeScript(_SCRIPT).result
 
 
 def _max_difference(a, b):

@@ -5,12 +5,10 @@ examples-weighted replica sync of tf_nvlink.training.replica_sync).
 batch statistics are 0 / 0 = NaN and the model predicts NaN from then on. Each mode runs in its own process.
 """
 
-import json
-
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, run_python
+from conftest import FUSED_CPU_EMULATION, ModeScript
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
@@ -46,15 +44,7 @@ if mode != "stock":  # stock Keras cannot even build a model from a first batch 
                   one_weights=[w.tolist() for w in one.get_weights()])
 print(json.dumps(result))
 """
-_RESULTS = {}
-
-
-def _run(mode):
-    if mode not in _RESULTS:
-        proc = run_python(_SCRIPT.replace("MODE", repr(mode)))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _RESULTS[mode]
+_run = ModeScript(_SCRIPT).result
 
 
 @pytest.mark.parametrize("mode", ["plain", "split", "fused"])

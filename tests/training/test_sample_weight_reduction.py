@@ -3,12 +3,10 @@ device under a tf_nvlink strategy: each replica's loss is scaled by its share of
 (tf_nvlink.training.exact_batches.replica_shares), in plain, split and fused (emulated) mode on 2 CPU replicas.
 """
 
-import json
-
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, run_python
+from conftest import FUSED_CPU_EMULATION, ModeScript
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
@@ -28,15 +26,7 @@ with strategy.scope():
 history = model.fit(x, y, sample_weight=weights, batch_size=32, epochs=2, shuffle=False, verbose=0)
 print(json.dumps({"weights": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"]}))
 """
-_RESULTS = {}
-
-
-def _run(mode):
-    if mode not in _RESULTS:
-        proc = run_python(_SCRIPT.replace("MODE", repr(mode)))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _RESULTS[mode]
+_run = ModeScript(_SCRIPT).result
 
 
 @pytest.mark.parametrize("mode", ["plain", "split", "fused"])

@@ -297,7 +297,7 @@ def _same_shape_runs(batches: list, strategy) -> list[list]:
 
 def _stackable(batch, strategy) -> bool:
     """Dense tensors only: sparse, ragged and optional values take the per-step path."""
-    return all(isinstance(tensor, tf.Tensor) and not isinstance(tensor, tf.SparseTensor)
+    return all(isinstance(tensor, tf.Tensor)  # a SparseTensor, RaggedTensor or Optional is no tf.Tensor
                for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
 
 
