@@ -69,8 +69,13 @@ def install_training_hooks(strategy) -> None:
 
 
 def _per_replica_wanted(model) -> bool:
-    return (model.distribute_strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
-            and not model.run_eagerly)
+    """XLA per replica (PerReplicaXlaStep): several replicas, or one GPU, where Keras' jit function around
+    `strategy.run` fails once the optimizer's step counter is updated in a `tf.cond` (a LossScaleOptimizer,
+    gradient accumulation): TensorFlow broadcasts it with a `merge_call` ("merge_call called while defining a
+    new graph", seen on 1x H200), which the fused step avoids (`internals.replica_local`)."""
+    strategy = model.distribute_strategy
+    several_or_gpu = strategy.num_replicas_in_sync > 1 or internals.fused_allreduce_possible(strategy)
+    return several_or_gpu and bool(model.jit_compile) and not model.run_eagerly
 
 
 def _make_function(model, step_function: Callable, keras_make_function: Callable):

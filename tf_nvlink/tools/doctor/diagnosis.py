@@ -25,6 +25,29 @@ def context_dict(context: StepContext) -> dict:
     return out
 
 
+# Below this host-to-device rate a copy looks like one from pageable host memory (1x H200, PCIe gen5: pageable
+# 5.6 GB/s, pinned 55.5 GB/s; docs/results.md).
+PAGEABLE_COPY_GBPS = 15.0
+
+
+def input_copy(mean: dict, context: StepContext) -> Optional[dict]:
+    """The input's host-to-device copy per step: bytes (one replica's batch), the GPU's copy time and its rate
+    (GB/s, 1e9 bytes); None when the batch's size or the copies are unknown.
+
+    Example:
+        >>> input_copy({"h2d_ms": 3.43, "exposed_h2d_ms": 3.10}, context)     # 128 uint8 224x224x3 images
+        {'bytes_per_step': 19267584, 'ms_per_step': 3.43, 'gb_per_s': 5.62, 'exposed_ms_per_step': 3.1, ...}
+    """
+    if not context.batch_bytes or not mean.get("h2d_ms", 0) > 0:
+        return None
+    rate = context.batch_bytes / (mean["h2d_ms"] * 1e-3) / 1e9
+    note = (f"below {PAGEABLE_COPY_GBPS:.0f} GB/s: the rate of a copy from pageable host memory"
+            if rate < PAGEABLE_COPY_GBPS else "")
+    return {"bytes_per_step": int(context.batch_bytes), "ms_per_step": round(mean["h2d_ms"], 4),
+            "gb_per_s": round(rate, 2), "exposed_ms_per_step": round(mean.get("exposed_h2d_ms", 0.0), 4),
+            "note": note}
+
+
 def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepContext,
                    nvlink_bytes_per_step: Optional[float] = None,
                    replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS) -> tuple[dict, Optional[str]]:
@@ -40,7 +63,8 @@ def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepC
     measured_bytes = nvlink_bytes_per_step if isinstance(nvlink_bytes_per_step, (int, float)) else None
     return {"replicas": [r.to_dict() for r in replicas], "mean": mean.to_dict(), "verdict": verdict.to_dict(),
             "scaling": scaling(mean, context, replica_overhead_ms=replica_overhead_ms),
-            "nvlink": nvlink_answer(mean, context, measured_bytes), "context": context_dict(context)}, None
+            "nvlink": nvlink_answer(mean, context, measured_bytes), "context": context_dict(context),
+            "input_copy": input_copy(mean.to_dict(), context)}, None
 
 
 def diagnose_trace(profile_dir: str, step_ms: float, steps: int, calls: int, context: StepContext,

@@ -1,7 +1,7 @@
 """The doctor's report as people read it: a short text table, a JSON file, a PNG bar chart, TensorBoard scalars.
 
 A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane), "mean", "verdict",
-"nvlink", "scaling", "context", "trace", "nvlink_bytes_per_step", "fit_call", "window" and "doctor_hooks_s"; without
+"nvlink", "scaling", "context", "input_copy", "trace", "nvlink_bytes_per_step", "fit_call", "window" and "doctor_hooks_s"; without
 a breakdown, "unavailable" (why) instead of the first five.
 
 Example:
@@ -32,6 +32,11 @@ def render_table(report: dict) -> str:
     for key, label in (("step_ms", "step"),) + PARTS + (("h2d_ms", "input copy total"),
                                                          ("per_call_gap_ms", "gap per call"),):
         lines.append(f"{label:<24}" + "".join(f"{r[key]:>10.2f}" for r in replicas))
+    copy = report.get("input_copy")
+    if copy:
+        lines.append(f"input copy: {copy['bytes_per_step'] / 2**20:.1f} MiB per step per replica in "
+                     f"{copy['ms_per_step']:.2f} ms, {copy['gb_per_s']:.1f} GB/s"
+                     + (f" ({copy['note']})" if copy.get("note") else ""))
     verdict = report["verdict"]
     lines.append(f"verdict: {verdict['kind']}")
     for advice in verdict["advice"]:

@@ -3,7 +3,8 @@ help most, each with its predicted gain.
 
 - host-bound: the GPU idles (waits for the host). The per-call gap is paid once per call, so
   `steps_per_execution=N` saves `gap * (calls per step - 1/N)` per step where the N steps run as one XLA program
-  per replica (tf_nvlink's compiled execution), and `GAP_REMOVED_BY_MULTI_STEP` of that on the per-step path
+  per replica (tf_nvlink's compiled execution; its N batches, prefetched to the device while the previous
+  execution runs, also hide the exposed input copy), and `GAP_REMOVED_BY_MULTI_STEP` of the gap's saving on the per-step path
   (Keras' loop still launches the steps one by one). N is capped so that the staged batches (about 4N) take at
   most STAGED_MEMORY_SHARE of the device's free memory.
 - input-bound: host-to-device copies not hidden behind compute. float32 input sent as uint8 moves a quarter of the
@@ -133,6 +134,9 @@ def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Opt
     saved = (now - b.per_call_gap_ms / chosen) * removed
     how = ("the N steps then run as one XLA program per replica" if context.compiled_execution
            else "Keras' loop still launches each step")
+    if context.compiled_execution and b.exposed_h2d_ms > 0:
+        saved += b.exposed_h2d_ms  # the N batches are prefetched to the device while the previous execution runs
+        how += f"; its N prefetched batches hide the {b.exposed_h2d_ms:.2f} ms of exposed input copy"
     return _advice(f"steps_per_execution={chosen}",
                    f"each training-function call leaves the GPU idle {b.per_call_gap_ms:.2f} ms between calls; "
                    f"{chosen} steps per call pay the call's share of it once ({how}){memory_note}", saved, b.step_ms)
