@@ -8,12 +8,15 @@ after a warm-up fit that compiles:
   buffered     the compiled execution with N batches prefetched to the device (`input_buffer=N`, not 1);
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
-  torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process.
+  torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
+  advised      the compiled execution at the N the step doctor advises for the spe=1 model (--doctor_n, when
+               that N is not --steps_per_execution).
 The host-fed setups read one synthetic batch from host memory through tf.data (uint8 images cast on the GPU,
 int32 tokens), mixed_bfloat16, SGD momentum 0.9, XLA. One process holds one strategy; the compiled execution is
 switched per model through the plan (what `tf_nvlink.strategy(compiled_execution=False)` sets for a process).
 The step doctor profiles the spe=1 model once (before the rounds): its step breakdown and its advice are kept, and
-its predicted gain is set beside the measured one (spe=1 against compiled).
+its predicted gain is set beside the measured one (spe=1 against the compiled execution at the advised N). After
+the rounds it profiles the compiled execution too (its GPU idle share, the input copy's GB/s).
 
     python benchmarks/compiled_execution.py --models resnet50 --rounds 3 --json r50.json            # 1x H200
     python benchmarks/compiled_execution.py --models transformer --rounds 3 --json tfm.json
@@ -53,14 +56,19 @@ _SETUPS = flags.DEFINE_list("setups", list(SETUPS), f"Which of {list(SETUPS)} to
 _DEVICES = flags.DEFINE_enum("devices", "gpu", ["gpu", "cpu"], "gpu: tf_nvlink.strategy() over the GPUs; cpu: one "
                              "logical CPU device (a smoke run: fused mode needs GPUs, so nothing is compiled whole).")
 _TORCH = flags.DEFINE_bool("torch", True, "Run the PyTorch peer for resnet50 (needs torch, torchvision, a GPU).")
-_DOCTOR = flags.DEFINE_bool("doctor", True, "Profile the spe=1 model with the step doctor first.")
+_DOCTOR = flags.DEFINE_bool("doctor", True, "Profile the spe=1 model with the step doctor first, and the compiled "
+                             "model after the rounds.")
+_DOCTOR_N = flags.DEFINE_bool("doctor_n", True, "Also time the compiled execution at the N of the doctor's "
+                              "steps_per_execution advice for the spe=1 model (setup 'advised', when that N is not "
+                              "--steps_per_execution), to check its predicted gain against the measured one.")
 _JSON = flags.DEFINE_string("json", "", "Write every measurement to this JSON file.")
 _OUTPUT = flags.DEFINE_string("output_dir", "compiled_execution_out", "Where the doctor's files go.")
 
 
 def plan_for(strategy, setup: str, steps_per_execution: int):
     """The strategy's plan as `setup` runs it: compiled execution on or off, the input prefetch depth."""
-    return dataclasses.replace(strategy.plan, compiled_execution=setup in ("compiled", "buffered", "resident"),
+    return dataclasses.replace(strategy.plan, compiled_execution=setup in ("compiled", "buffered", "resident",
+                                                                           "advised"),
                                input_buffer=steps_per_execution if setup == "buffered" else strategy.plan.input_buffer)
 
 
@@ -104,14 +112,16 @@ def timed_fit(model, dataset, steps: int) -> float:
 def bench_model(name: str, strategy, setups: list) -> dict:
     from tf_nvlink.training import compiled_execution  # noqa: PLC0415
 
+    from tf_nvlink.tools.doctor import bench  # noqa: PLC0415
+
     batch = _BATCH.value or DEFAULT_BATCH[name]
     n = _SPE.value or DEFAULT_STEPS_PER_EXECUTION.get(name, 8)
     steps = _STEPS.value
     peer = TorchPeer(batch, steps, 15) if "torch" in setups else None  # first: it compiles while TF does
     models, paths, compile_s, plans = {}, {}, {}, {}
-    for setup in setups:
-        if setup == "torch":
-            continue
+    doctor_report = None
+
+    def add(setup, n):
         plans[setup] = plan_for(strategy, setup, n)
         set_plan(strategy, plans[setup])
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
@@ -119,14 +129,24 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
         paths[setup] = compiled_execution.execution_path(model)
         models[setup] = (model, dataset)
-    doctor_report = None
-    if _DOCTOR.value and "spe=1" in models:
-        set_plan(strategy, plans["spe=1"])
-        from tf_nvlink.tools.doctor import bench  # noqa: PLC0415
+        return global_batch
 
-        model, dataset = models["spe=1"]
-        doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, name), verbose=False)
-        doctor_report = doctor.report or {"unavailable": doctor.unavailable}
+    global_batch = batch * strategy.num_replicas_in_sync
+    if "spe=1" in setups:  # first: the doctor's advice may set N
+        add("spe=1", n)
+        if _DOCTOR.value:
+            model, dataset = models["spe=1"]
+            doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, name), verbose=False)
+            doctor_report = doctor.report or {"unavailable": doctor.unavailable}
+    advised = advised_steps(doctor_report or {}) if _DOCTOR_N.value else None
+    if advised and advised != n and "compiled" in setups:
+        setups = setups + ["advised"]
+    for every in {n, advised or n}:
+        if steps % every:
+            steps += every - steps % every  # whole executions in every setup
+    for setup in setups:
+        if setup not in ("torch", "spe=1"):
+            add(setup, advised if setup == "advised" else n)
     if peer:
         peer.wait_until_ready()
     seconds = {setup: [] for setup in setups}
@@ -148,10 +168,41 @@ def bench_model(name: str, strategy, setups: list) -> dict:
                        "ms_per_step": stats.median * 1e3 / steps, "path": paths.get(setup),
                        "warmup_fit_s": compile_s.get(setup)}
     record = {"model": name, "global_batch": global_batch, "steps": steps, "steps_per_execution": n,
-              "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report}
+              "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report,
+              "prediction": prediction_check(doctor_report, rows, advised or n, "advised" if "advised" in rows
+                                             else "buffered" if "buffered" in rows else "compiled")}
+    fed = "buffered" if "buffered" in models else "compiled" if "compiled" in models else None
+    if _DOCTOR.value and fed:  # after the rounds: the compiled execution's own breakdown (its GPU idle)
+        set_plan(strategy, plans[fed])
+        model, dataset = models[fed]
+        doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, f"{name}_{fed}"),
+                                  warmup_steps=2 * n, window_steps=2 * n, verbose=False)
+        record["doctor_compiled"] = {"setup": fed, **(doctor.report or {"unavailable": doctor.unavailable})}
     models.clear()
     gc.collect()
     return record
+
+
+def advised_steps(report: dict):
+    """The N of the doctor's `steps_per_execution=N` advice, or None."""
+    for advice in (report.get("verdict") or {}).get("advice", []):
+        change = advice.get("change", "")
+        if change.startswith("steps_per_execution="):
+            return int(change.split("=", 1)[1])
+    return None
+
+
+def prediction_check(report, rows: dict, n: int, setup: str):
+    """The doctor's predicted gain for steps_per_execution=n against the measured spe=1 -> `setup` gain (the
+    compiled execution at that N)."""
+    advice = [a for a in ((report or {}).get("verdict") or {}).get("advice", [])
+              if a.get("change") == f"steps_per_execution={n}"]
+    if not advice or "spe=1" not in rows or setup not in rows:
+        return None
+    measured = rows["spe=1"]["ms_per_step"] / rows[setup]["ms_per_step"] - 1
+    predicted = advice[0]["gain"]
+    return {"n": n, "setup": setup, "predicted_gain": predicted, "measured_gain": measured,
+            "relative_error": (predicted - measured) / measured if measured else None}
 
 
 def render(record: dict) -> str:
@@ -174,6 +225,23 @@ def render(record: dict) -> str:
                      f"breakdown {json.dumps(doctor.get('breakdown'), default=str)[:400]}")
     for advice in (doctor.get("verdict") or {}).get("advice", []):
         lines.append(f"doctor advice: {advice.get('change')} predicted +{advice.get('gain', 0):.1%} per step")
+    if doctor.get("input_copy"):
+        lines.append(f"doctor input copy (spe=1): {json.dumps(doctor['input_copy'])}")
+    check = record.get("prediction")
+    if check:
+        error = check["relative_error"]
+        lines.append(f"prediction check N={check['n']} ({check['setup']}): predicted +{check['predicted_gain']:.1%}, "
+                     f"measured +{check['measured_gain']:.1%}"
+                     + (f" (relative error {error:+.0%})" if error is not None else ""))
+    compiled = record.get("doctor_compiled") or {}
+    mean = compiled.get("mean")
+    if mean:
+        lines.append(f"doctor ({compiled['setup']}, N={record['steps_per_execution']}): step {mean['step_ms']:.2f} ms, "
+                     f"compute {mean['compute_ms']:.2f} ms, GPU idle {mean['idle_ms']:.2f} ms "
+                     f"({mean['idle_ms'] / mean['step_ms']:.1%}), input copy exposed {mean['exposed_h2d_ms']:.2f} ms; "
+                     f"input copy {json.dumps(compiled.get('input_copy'))}")
+    elif compiled:
+        lines.append(f"doctor ({compiled['setup']}): {compiled.get('unavailable')}")
     return "\n".join(lines)
 
 

@@ -3,12 +3,17 @@ r"""A custom training loop with XLA under tf_nvlink: the seed 784-256-128-10 MLP
     python examples/custom_loop.py                                  # every GPU, XLA step, plan from the topology
     python examples/custom_loop.py --xla_allreduce split --epochs 2 --model_dir /tmp/loop
     python examples/custom_loop.py --dataset digits --epochs 2      # offline
+    python examples/custom_loop.py --steps_per_execution 8          # 8 steps per XLA program per replica
 
 The shape of TensorFlow's guide "Custom training with tf.distribute.Strategy": a `tf.function(jit_compile=True)`
 step that computes the loss, its gradients and `optimizer.apply_gradients`, passed to `strategy.run` inside a
 plain `tf.function` over one epoch. tf_nvlink compiles one copy of the step per replica: in "fused" mode (2+ GPUs)
 the gradient all-reduce runs inside each replica's XLA program; in "split" mode (CPUs, or --xla_allreduce split)
 XLA computes the gradients and the plan's cross-device ops all-reduce them outside XLA.
+
+--steps_per_execution N > 1 runs N steps per call through `tf_nvlink.compiled_steps`: in fused mode (GPUs) the
+N batches go to each replica together and one XLA program per replica loops over them, so the host launches one
+program per N steps; in split mode the N steps run one `strategy.run` each. Both train as the per-step loop does.
 
 --batch_size is the GLOBAL batch; the loss is averaged over it (`tf.nn.compute_average_loss`), so the summed
 gradients equal one device's. <model_dir>/ckpt holds a tf.train.Checkpoint (model, optimizer, finished epochs)
@@ -49,6 +54,9 @@ _XLA_ALLREDUCE = flags.DEFINE_enum(
     "'fused': the whole step, gradient all-reduce included, is one XLA program per replica (GPUs only); "
     "'split': XLA computes the gradients, the cross-device ops all-reduce them; 'auto': fused on 2+ GPUs.")
 _JIT_COMPILE = flags.DEFINE_bool("jit_compile", True, "Compile the train step with XLA.")
+_STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    "steps_per_execution", 1, "Train steps per call: N > 1 runs N steps as one XLA program per replica "
+    "(tf_nvlink.compiled_steps; fused mode), else one strategy.run per step.", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 1024, "GLOBAL batch size, split across the replicas (any size: the loss counts each replica's share).",
     lower_bound=1)
@@ -81,7 +89,7 @@ def steps_per_epoch(num_examples, global_batch, min_steps=MIN_STEPS_PER_EPOCH):
 class Trainer:
     """The model, its optimizer, the jit-compiled step and the per-epoch loop under one strategy."""
 
-    def __init__(self, strategy, global_batch, learning_rate, jit_compile):
+    def __init__(self, strategy, global_batch, learning_rate, jit_compile, steps_per_execution=1):
         self.strategy, self.global_batch = strategy, global_batch
         with strategy.scope():
             self.model = bench_models.mnist_mlp()
@@ -90,6 +98,8 @@ class Trainer:
         self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         self.train_step = tf.function(self._train_step, jit_compile=jit_compile)
         self.test_step = tf.function(self._test_step, jit_compile=jit_compile)
+        self.train_steps = (tf_nvlink.compiled_steps(strategy, self.train_step, steps_per_execution)
+                            if steps_per_execution > 1 else None)
 
     def _train_step(self, x, y):
         with tf.GradientTape() as tape:
@@ -117,6 +127,16 @@ class Trainer:
             correct += self.strategy.reduce("SUM", step_correct, axis=None)
         return loss, correct
 
+    def train_epoch_in_executions(self, batches):
+        """`train_epoch` with up to steps_per_execution steps per call (one XLA program per replica in fused mode)."""
+        loss, correct, iterator = 0.0, 0.0, iter(batches)
+        while True:
+            sums, ran = self.train_steps(iterator)  # per replica: the losses and correct counts of `ran` steps
+            if not ran:
+                return loss, correct
+            loss += float(self.strategy.reduce("SUM", sums[0], axis=None))
+            correct += float(self.strategy.reduce("SUM", sums[1], axis=None))
+
     @tf.function
     def count_correct(self, batches):
         correct = tf.constant(0.0)
@@ -137,9 +157,10 @@ def main(argv):
     mode = strategy.xla_allreduce if _JIT_COMPILE.value and replicas > 1 else "off" if not _JIT_COMPILE.value \
         else "one replica"
     print(f"dataset: {data.description}\nreplicas: {replicas}, global batch {global_batch} = "
-          f"{replica_split(global_batch, replicas)}, {steps} steps per epoch; XLA: {mode}", flush=True)
+          f"{replica_split(global_batch, replicas)}, {steps} steps per epoch; XLA: {mode}"
+          + (f"; {_STEPS_PER_EXECUTION.value} steps per call" if _STEPS_PER_EXECUTION.value > 1 else ""), flush=True)
 
-    trainer = Trainer(strategy, global_batch, _LEARNING_RATE.value, _JIT_COMPILE.value)
+    trainer = Trainer(strategy, global_batch, _LEARNING_RATE.value, _JIT_COMPILE.value, _STEPS_PER_EXECUTION.value)
     epochs_done = tf.Variable(0, trainable=False, dtype=tf.int64)  # outside the scope: one plain variable
     checkpoint = tf.train.Checkpoint(model=trainer.model, optimizer=trainer.optimizer, epochs_done=epochs_done)
     manager = tf.train.CheckpointManager(checkpoint, os.path.join(model_dir, "ckpt"), max_to_keep=3)
@@ -153,7 +174,9 @@ def main(argv):
     test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test)).batch(global_batch)
     for epoch in range(int(epochs_done.numpy()), _EPOCHS.value):
         start = time.perf_counter()
-        loss, correct = trainer.train_epoch(strategy.experimental_distribute_dataset(train))
+        batches = strategy.experimental_distribute_dataset(train)
+        loss, correct = (trainer.train_epoch_in_executions(batches) if trainer.train_steps is not None
+                         else trainer.train_epoch(batches))
         seconds = time.perf_counter() - start
         epochs_done.assign(epoch + 1)
         path = manager.save()

@@ -58,6 +58,13 @@ def run_python(code_or_args, env=None, timeout=600, cwd=ROOT):
     return subprocess.run(args, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+# The modes of a ModeScript test: fused (the GPU path, through the CPU emulation) in the default run; plain (no
+# XLA) and split (XLA per replica, all-reduce outside) take the same hooks on TensorFlow's merge_call path and run
+# in the slow tier (CI runs both tiers).
+SLOW_PLAIN_AND_SPLIT = [pytest.param("plain", marks=pytest.mark.slow), pytest.param("split", marks=pytest.mark.slow),
+                        "fused"]
+
+
 class ModeScript:
     """A test script run once per mode in its own process (one strategy per process): `script` holds the word
     MODE where the mode's repr goes, and prints one JSON line last. `result(mode)` runs it on first use."""

@@ -10,7 +10,8 @@ The prelude runs once (imports, the logical devices, the strategy); each case bo
 the prelude's namespace and leaves its answer in `result` (anything JSON can hold). The process starts in the
 background as soon as pytest has collected a test of that module (conftest.pytest_collection_finish), so it runs
 while the in-process tests do; `INSTALL.result("fit")` waits for it and returns that case's `result`, or fails
-with the case's own traceback.
+with the case's own traceback. A scenario declared with `slow=True` starts in the background only when a selected
+test of its module is marked slow (it still starts on first use).
 """
 
 import json
@@ -47,8 +48,9 @@ _LOCK = threading.Lock()
 class Scenario:
     """One subprocess running `prelude` once, then every case of `cases` ({name: body}); see the module doc."""
 
-    def __init__(self, name, prelude, cases, env=None, timeout=600):
+    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False):
         self.name, self.prelude, self.cases = name, prelude, dict(cases)
+        self.slow = slow  # started in the background only when a selected test of its module is marked slow
         self.env, self.timeout = dict(env or {}), timeout
         self.module = sys._getframe(1).f_globals.get("__file__")
         self._started, self._done, self._proc = False, threading.Event(), None
@@ -118,7 +120,9 @@ class Scenario:
 def start_for(items):
     """Starts, one after another in a background thread, the scenarios of the modules that `items` test."""
     modules = {str(item.fspath) for item in items}
-    wanted = [scenario for scenario in _DECLARED if scenario.module in modules]
+    with_slow = {str(item.fspath) for item in items if item.get_closest_marker("slow")}
+    wanted = [scenario for scenario in _DECLARED
+              if scenario.module in (with_slow if scenario.slow else modules)]
 
     def run_in_turn():  # one scenario process at a time beside pytest itself: two busy cores, not more
         for scenario in wanted:

@@ -110,7 +110,8 @@ CUSTOM_LOOP = str(ROOT / "examples" / "custom_loop.py")
 @pytest.mark.slow  # two trainings; tests/training/test_per_replica_steps.py covers the jit step through strategy.run
 def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp_path):
     """examples/custom_loop.py: a jit step through strategy.run on 2 CPU replicas (split mode), then a rerun with
-    more epochs resumes from the tf.train.Checkpoint and trains only the missing epoch. The global batch, 255, is
+    more epochs (and --steps_per_execution 4) resumes from the tf.train.Checkpoint and trains only the missing
+    epoch. The global batch, 255, is
     not a multiple of the replicas: it splits 128 + 127 and trains as one device would."""
     flags = ["--dataset", "digits", "--batch_size", "255", "--model_dir", str(tmp_path)]
     first = run_python(_with_cpu_replicas(2, flags + ["--epochs", "1"], script=CUSTOM_LOOP), timeout=600)
@@ -119,9 +120,11 @@ def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp
     assert len(re.findall(r"^tf_nvlink plan: ", out, re.M)) == 1, out
     assert "replicas: 2, global batch 255 = 128 + 127, 11 steps per epoch; XLA: split" in out
     assert re.search(r"^epoch 1/1: loss [\d.]+, accuracy [\d.]+, [\d,]+ examples/s .*saved .*ckpt-1$", out, re.M)
-    second = run_python(_with_cpu_replicas(2, flags + ["--epochs", "2"], script=CUSTOM_LOOP), timeout=600)
+    second = run_python(_with_cpu_replicas(2, flags + ["--epochs", "2", "--steps_per_execution", "4"],
+                                           script=CUSTOM_LOOP), timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     out = second.stdout
+    assert "XLA: split; 4 steps per call" in out  # tf_nvlink.compiled_steps (split mode: one strategy.run a step)
     assert re.search(r"^resumed from .*ckpt-1: 1 epoch\(s\) done$", out, re.M), out
     assert "epoch 1/2" not in out and re.search(r"^epoch 2/2: .*saved .*ckpt-2$", out, re.M), out
     accuracy = float(re.search(r"^test accuracy: (\d\.\d{4})$", out, re.M).group(1))

@@ -257,9 +257,7 @@ def test_one_gpu_custom_loop_with_jit_step_matches_no_strategy(precision, tmp_pa
         np.testing.assert_allclose(np.array(b), np.array(a), **tolerance)
 
 
-# loss_scale is left out: its per-step reference (Keras' own one-replica jit function with a LossScaleOptimizer)
-# fails on one GPU with "merge_call called while defining a new graph" in Cond.call() (1x H200).
-_GPU_CASES = "numpy,steps_per_epoch,unknown_length,accumulate,no_batchnorm"
+_GPU_CASES = "numpy,steps_per_epoch,unknown_length,accumulate,loss_scale,no_batchnorm"
 
 
 def _compiled_execution_cases(layout):
@@ -282,8 +280,20 @@ def _assert_compiled_equals_per_step(results, programs: int = 2):
 def test_one_gpu_compiled_execution_equals_per_step_training():
     """On one GPU, steps_per_execution=4 as one XLA program (a while loop over the stacked batches) trains to the
     weights of one program per step: full and partial executions, a short last batch, steps_per_epoch=7, a dataset
-    of unknown length, gradient accumulation (float32, 1e-5; TF32 off)."""
+    of unknown length, gradient accumulation, a LossScaleOptimizer (float32, 1e-5; TF32 off)."""
     _assert_compiled_equals_per_step(_compiled_execution_cases("gpu1"))
+
+
+@needs_gpu
+def test_one_gpu_compiled_steps_of_a_custom_loop_equal_one_run_per_step():
+    """CompiledSteps on one GPU: each call of up to 4 custom-loop steps is one XLA program (a while loop over the
+    stacked batches) and trains to the weights of one strategy.run per step, partial calls and the short last
+    batch included (float32, 1e-5; TF32 off)."""
+    from tests.training.test_compiled_steps import assert_same_training
+
+    proc = run_python(["tests/training/compiled_steps_cases.py", "gpu1"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_training(json.loads(proc.stdout.strip().splitlines()[-1]), "fused", programs=6)
 
 
 @needs_2_gpus

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
 __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "sync_non_trainable",
-           "synced_step", "average_loss", "__version__"]
+           "synced_step", "average_loss", "compiled_steps", "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -95,6 +95,23 @@ def average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
 
     return exact_batches.average_loss(per_example_loss, sample_weight=sample_weight,
                                       global_batch_size=global_batch_size)
+
+
+def compiled_steps(strategy, step, steps):
+    """A custom loop's `steps` steps per call as ONE XLA program per replica (fused mode; elsewhere one
+    `strategy.run` per step, the same results). See `tf_nvlink.training.compiled_steps.CompiledSteps`.
+
+    Example:
+        >>> train = tf_nvlink.compiled_steps(strategy, jit_step, steps=8)
+        >>> iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        >>> while True:
+        ...     loss_sum, ran = train(iterator)     # the step's outputs summed over the `ran` steps, per replica
+        ...     if not ran:
+        ...         break
+    """
+    from tf_nvlink.training.compiled_steps import CompiledSteps
+
+    return CompiledSteps(strategy, step, steps)
 
 
 def __getattr__(name):

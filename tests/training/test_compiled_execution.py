@@ -26,9 +26,14 @@ def _cases_body(layout, cases):
 
 
 # Started in the background when the tests are collected (tests/scenarios.py), so they run beside other tests.
+# The default run's cases; the slow tier's: a dataset of unknown length (the one-replica run has it too), gradient
+# accumulation and a model without BatchNorm.
+_TWO_CASES = ["numpy", "steps_per_epoch", "loss_scale", "rest_of_fit"]
+_TWO_SLOW_CASES = ["unknown_length", "accumulate", "no_batchnorm"]
 TWO = scenarios.Scenario("compiled_execution_two_replicas", prelude="", cases={
-    "all": _cases_body("emulated2", ",".join(["numpy", "steps_per_epoch", "unknown_length", "accumulate",
-                                               "loss_scale", "no_batchnorm", "rest_of_fit"]))}, timeout=900)
+    "all": _cases_body("emulated2", ",".join(_TWO_CASES))}, timeout=900)
+TWO_SLOW = scenarios.Scenario("compiled_execution_two_replicas_slow", prelude="", cases={
+    "all": _cases_body("emulated2", ",".join(_TWO_SLOW_CASES))}, timeout=900, slow=True)
 ONE = scenarios.Scenario("compiled_execution_one_replica", prelude="", cases={
     "all": _cases_body("emulated1", "numpy,steps_per_epoch,unknown_length,memory_check")}, timeout=900)
 
@@ -48,13 +53,13 @@ _BATCH_ENDS = {"numpy": [3, 4, 3, 4], "steps_per_epoch": [3, 6] * 3, "unknown_le
                "rest_of_fit": [3, 4, 3, 4]}
 
 
-@pytest.mark.parametrize("case", list(_BATCH_ENDS))
+@pytest.mark.parametrize("case", _TWO_CASES + [pytest.param(case, marks=pytest.mark.slow) for case in _TWO_SLOW_CASES])
 def test_two_replicas_compiled_equal_per_step_training(case):
     """2 replicas in fused mode, an uneven 8 + 7 split in every full execution: the same weights, losses, metrics
     and evaluate results as one program per step, full and partial executions, a short last batch as its own
     program (2 programs per replica whatever the epochs), the steps each epoch asks for; validation data,
     checkpoints, backup and resume, and predict as on the per-step path."""
-    runs = TWO.result("all")[case]
+    runs = (TWO if case in _TWO_CASES else TWO_SLOW).result("all")[case]
     per_step, compiled = runs["per_step"], runs["compiled"]
     _assert_same_training(case, per_step, compiled)
     assert compiled["programs_traced"] == [2, 2]  # one program per batch shape and replica, none per epoch

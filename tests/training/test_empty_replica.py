@@ -8,7 +8,7 @@ batch statistics are 0 / 0 = NaN and the model predicts NaN from then on. Each m
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, ModeScript
+from conftest import FUSED_CPU_EMULATION, SLOW_PLAIN_AND_SPLIT, ModeScript
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
@@ -47,7 +47,7 @@ print(json.dumps(result))
 _run = ModeScript(_SCRIPT).result
 
 
-@pytest.mark.parametrize("mode", ["plain", "split", "fused"])
+@pytest.mark.parametrize("mode", SLOW_PLAIN_AND_SPLIT)
 def test_a_replica_without_examples_changes_nothing(mode):
     """After a 1 + 0 step the moving statistics on both replicas are the one example's update alone
     (momentum 0.9: 0.1 x the example; the variance of one example is 0), every weight is finite, and a model whose

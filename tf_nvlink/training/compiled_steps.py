@@ -1,0 +1,143 @@
+"""N steps of a custom training loop as one XLA program per replica: `CompiledSteps`.
+
+`model.fit` gets this by itself (`tf_nvlink.training.compiled_execution`); a custom loop that passes a
+`tf.function(jit_compile=True)` step to `strategy.run` pays the host's launch and batch hand-over once per step.
+`CompiledSteps(strategy, step, steps=N)` takes up to N batches from a distributed iterator and runs them as one
+program per replica: the N batches stacked on the replica's device and a loop inside XLA calling the step, its
+`optimizer.apply_gradients` and gradient all-reduce included (fused mode). Each call returns the step's outputs
+summed over the steps it ran, per replica (for `strategy.reduce`), and how many it ran.
+
+Where one program cannot hold the step (split mode: CPUs, or `xla_allreduce="split"`, where the all-reduce runs
+outside XLA) the same call runs the N steps one `strategy.run` each, with the same results. A batch of another
+shape (a short last batch) ends the call before it; the next call starts with it (one more program).
+
+Example:
+    >>> @tf.function(jit_compile=True)
+    ... def step(x, y):
+    ...     ...  # loss, gradients, optimizer.apply_gradients
+    ...     return loss
+    >>> train = CompiledSteps(strategy, step, steps=8)
+    >>> iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    >>> loss_sum, ran = train(iterator)       # ran == 0 once the iterator is exhausted
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from tf_nvlink import internals
+from tf_nvlink.distribute import base
+from tf_nvlink.training.compiled_execution import _loop, _next_or_none, _signature, _stackable, _zeros_like_spec
+
+
+class CompiledSteps:
+    """`steps` batches of a distributed iterator per call, as one XLA program per replica (see the module doc).
+
+    Args:
+        strategy: a tf_nvlink strategy (`tf_nvlink.strategy()`).
+        step: the replica step, called as `step(*batch)` for a tuple batch, else `step(batch)`: a
+            `tf.function(jit_compile=True)` or a plain Python function; it returns a nest of numeric tensors.
+        steps: batches per call (N >= 1).
+    """
+
+    def __init__(self, strategy, step: Callable, steps: int):
+        if not base.is_tf_nvlink_strategy(strategy):
+            raise TypeError("CompiledSteps needs a tf_nvlink strategy (tf_nvlink.strategy() builds one), whose "
+                            f"strategy.run compiles a program per replica. Received: {type(strategy).__name__}")
+        runner = base.runner_of(strategy)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps should be a positive integer (batches per call). Received: steps={steps!r}")
+        self.strategy, self.step, self.steps = strategy, step, steps
+        jit = internals.jit_tf_function(step)
+        self.python_function = jit[1] if jit else step
+        self.autograph = jit[2] if jit else True
+        self.mode = runner.custom_loop_mode  # "fused": one program; "split": one strategy.run per step
+        self.programs_run = 0
+        self._compiled: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._held: list = []  # a batch of another shape, kept for the next call
+        self._one_at_a_time = tf.function(self._run_one_by_one, autograph=False)
+        self._outer = tf.function(self._run_replicas, autograph=False)
+
+    def __call__(self, iterator) -> tuple[Any, int]:
+        """(the step's outputs summed over the steps run, per replica; steps run): up to `steps` batches, fewer
+        at the end of the iterator or before a batch of another shape; (None, 0) when none is left."""
+        batches = self._take(iterator)
+        if not batches:
+            return None, 0
+        if self.mode != "fused" or not all(_stackable(batch, self.strategy) for batch in batches):
+            return self._one_at_a_time(tuple(batches)), len(batches)
+        padded = tuple(batches) + (batches[-1],) * (self.steps - len(batches))  # never run: count says so
+        try:
+            outputs = self._outer(padded, tf.constant(len(batches), tf.int32))
+        except Exception as error:  # AutoGraph may re-raise a copy of tf_nvlink's error: matched by its text
+            if "is not built yet" not in str(error):
+                raise
+            raise ValueError(f"{error}: CompiledSteps runs the optimizer inside the replicas' programs, where it "
+                             "cannot create its variables. Build it first, under the strategy's scope: "
+                             "optimizer.build(model.trainable_variables).") from error
+        self.programs_run += 1
+        return outputs, len(batches)
+
+    def _take(self, iterator) -> list:
+        batches, self._held = self._held, []
+        while len(batches) < self.steps:
+            batch = _next_or_none(iterator)
+            if batch is None:
+                break
+            if batches and _signature(batch, self.strategy) != _signature(batches[0], self.strategy):
+                self._held = [batch]
+                break
+            batches.append(batch)
+        return batches
+
+    def _call_step(self, function: Callable, batch):
+        return function(*batch) if isinstance(batch, tuple) else function(batch)
+
+    # ---- split mode (or unstackable batches): one strategy.run per step, summed per replica ------------------
+
+    def _run_one_by_one(self, batches):
+        total = None
+        for batch in batches:
+            # the step itself, so a jit step gets tf_nvlink's per-replica copy (split mode's update outside XLA)
+            outputs = self.strategy.run(self.step, args=batch if isinstance(batch, tuple) else (batch,))
+            total = outputs if total is None else self.strategy.run(
+                lambda a, b: tf.nest.map_structure(tf.add, a, b), args=(total, outputs))
+        return total
+
+    # ---- fused mode: one program per replica ---------------------------------------------------------------
+
+    def _run_replicas(self, batches, count):
+        return self.strategy.run(self._per_replica, args=(batches, count))
+
+    def _per_replica(self, batches, count):
+        replica_id = internals.replica_id()
+        with self._lock:
+            if replica_id not in self._compiled:
+                self._compiled[replica_id] = tf.function(self._program, jit_compile=internals.per_replica_jit_compile(),
+                                                         autograph=False)
+            program = self._compiled[replica_id]
+        return program(batches, count)
+
+    def _program(self, batches, count):
+        step = tf.autograph.to_graph(self.python_function) if self.autograph else self.python_function
+        stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
+
+        def one(batch):
+            with internals.optimizer_calls("replica_local"):  # the step counters per replica, as fit's fused step
+                return self._call_step(step, batch)
+
+        first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
+        # The outputs' structure, from a trace that is never run: the loop carries their sum.
+        spec = tf.function(one, autograph=False).get_concrete_function(first).structured_outputs
+        start = tf.nest.map_structure(_zeros_like_spec, spec)
+        invariants = tf.nest.map_structure(lambda s: s.shape, spec)
+
+        def body(index, total):
+            outputs = one(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
+            return index + 1, tf.nest.map_structure(tf.add, total, outputs)
+
+        return _loop(count, body, start, invariants, len(batches))
