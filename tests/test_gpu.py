@@ -260,28 +260,37 @@ def test_one_gpu_custom_loop_with_jit_step_matches_no_strategy(precision, tmp_pa
 _GPU_CASES = "numpy,steps_per_epoch,unknown_length,accumulate,loss_scale,no_batchnorm"
 
 
-def _compiled_execution_cases(layout):
-    proc = run_python(["tests/training/compiled_execution_cases.py", layout, _GPU_CASES], timeout=900)
+def _compiled_execution_cases(layout, tmp_path):
+    """The cases' results, and whether XLA knew the trip count of a 4-step loop (its optimized HLO, dumped)."""
+    dump = tmp_path / "xla_dump"
+    proc = run_python(["tests/training/compiled_execution_cases.py", layout, _GPU_CASES], timeout=900,
+                      env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    optimized = [path.read_text() for path in dump.glob("*after_optimizations.txt")]
+    known = any('"known_trip_count":{"n":"4"}' in text for text in optimized)
+    return json.loads(proc.stdout.strip().splitlines()[-1]), known
 
 
-def _assert_compiled_equals_per_step(results, programs: int = 2):
+def _assert_compiled_equals_per_step(results):
+    results, known_trip_count = results
+    assert known_trip_count, "no full execution's loop had a trip count XLA knew"
     for case, runs in results.items():
         per_step, compiled = runs["per_step"], runs["compiled"]
         assert compiled["function"] == "CompiledExecution", case
-        assert all(traced <= programs for traced in compiled["programs_traced"]), (case, compiled["programs_traced"])
+        traced = compiled["programs_traced"]  # one program for full executions, one per partial batch shape
+        assert set(traced["full"]) == {1} and max(traced["partial"]) <= 2, (case, traced)
         for a, b in zip(per_step["weights"], compiled["weights"]):
             np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-6, err_msg=case)
         np.testing.assert_allclose(compiled["evaluate"], per_step["evaluate"], rtol=1e-5, atol=1e-6, err_msg=case)
 
 
 @needs_gpu
-def test_one_gpu_compiled_execution_equals_per_step_training():
+def test_one_gpu_compiled_execution_equals_per_step_training(tmp_path):
     """On one GPU, steps_per_execution=4 as one XLA program (a while loop over the stacked batches) trains to the
     weights of one program per step: full and partial executions, a short last batch, steps_per_epoch=7, a dataset
-    of unknown length, gradient accumulation, a LossScaleOptimizer (float32, 1e-5; TF32 off)."""
-    _assert_compiled_equals_per_step(_compiled_execution_cases("gpu1"))
+    of unknown length, gradient accumulation, a LossScaleOptimizer (float32, 1e-5; TF32 off); a full
+    execution's loop has a trip count XLA knows, so the GPU runs its steps without waiting for the host."""
+    _assert_compiled_equals_per_step(_compiled_execution_cases("gpu1", tmp_path))
 
 
 @needs_gpu
@@ -297,6 +306,6 @@ def test_one_gpu_compiled_steps_of_a_custom_loop_equal_one_run_per_step():
 
 
 @needs_2_gpus
-def test_two_gpu_compiled_execution_equals_per_step_training():
+def test_two_gpu_compiled_execution_equals_per_step_training(tmp_path):
     """The same on 2 GPUs in fused mode: the all-reduces inside each replica's loop, an uneven 8 + 7 split."""
-    _assert_compiled_equals_per_step(_compiled_execution_cases("gpu2"))
+    _assert_compiled_equals_per_step(_compiled_execution_cases("gpu2", tmp_path))

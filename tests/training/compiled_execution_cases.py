@@ -106,15 +106,13 @@ def train(case, compiled):
     losses = fits(case, model, callback)
     evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     function = model.train_function
-    programs = getattr(function, "_compiled", {})
+    programs = function.programs.traced() if hasattr(function, "programs") else None
     return {
         "function": type(function).__name__,
         "weights": [w.ravel().tolist() for w in model.get_weights()],
         "iterations": int(model.optimizer.iterations.numpy()),
         "loss": losses, "evaluate": evaluated, "batch_ends": callback.ends,
-        "programs_traced": [programs[r].experimental_get_tracing_count() for r in sorted(programs)],
-        "programs_run": getattr(function, "programs_run", None),
-        "outer_traced": function._outer.experimental_get_tracing_count() if hasattr(function, "_outer") else None,
+        "programs_traced": programs, "programs_run": getattr(function, "programs_run", None),
         "test_function": type(model.test_function).__name__,
         "predictions": getattr(model, "predictions", None), "checkpoints": getattr(model, "checkpoints", None),
     }

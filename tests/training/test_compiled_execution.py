@@ -57,12 +57,14 @@ _BATCH_ENDS = {"numpy": [3, 4, 3, 4], "steps_per_epoch": [3, 6] * 3, "unknown_le
 def test_two_replicas_compiled_equal_per_step_training(case):
     """2 replicas in fused mode, an uneven 8 + 7 split in every full execution: the same weights, losses, metrics
     and evaluate results as one program per step, full and partial executions, a short last batch as its own
-    program (2 programs per replica whatever the epochs), the steps each epoch asks for; validation data,
+    partial execution (programs per replica bounded whatever the epochs), the steps each epoch asks for; validation data,
     checkpoints, backup and resume, and predict as on the per-step path."""
     runs = (TWO if case in _TWO_CASES else TWO_SLOW).result("all")[case]
     per_step, compiled = runs["per_step"], runs["compiled"]
     _assert_same_training(case, per_step, compiled)
-    assert compiled["programs_traced"] == [2, 2]  # one program per batch shape and replica, none per epoch
+    # Per replica: one program for full executions, one per batch shape of the partial ones, none per epoch.
+    partial = 2 if case == "steps_per_epoch" else 1  # its partial executions hold full and short batches
+    assert compiled["programs_traced"] == {"full": [1, 1], "partial": [partial, partial]}
     assert compiled["batch_ends"] == _BATCH_ENDS[case]
     steps = {"steps_per_epoch": 21, "accumulate": 5}.get(case, 10)  # accumulate: 10 batches, 5 updates
     assert compiled["iterations"] == steps
@@ -78,7 +80,8 @@ def test_one_replica_compiled_equals_per_step_training():
         if case == "memory_check":
             continue
         _assert_same_training(case, runs["per_step"], runs["compiled"])
-        assert runs["compiled"]["programs_traced"] == [2], case
+        partial = 2 if case == "steps_per_epoch" else 1
+        assert runs["compiled"]["programs_traced"] == {"full": [1], "partial": [partial]}, case
 
 
 def test_batches_that_do_not_fit_raise_before_training():
@@ -174,3 +177,33 @@ def test_restage_input_prefetches_the_asked_depth_and_leaves_a_distributed_datas
     distributed = type("UserDistributedDataset", (tf.distribute.DistributedDataset,), {})()
     epoch_iterator.data_adapter.get_tf_dataset = lambda: distributed
     assert not internals.restage_input(model, epoch_iterator, 16) and len(seen) == 1
+
+
+def _xla_loop_hlo(tf, count):
+    """The optimized HLO of a jit program whose loop runs `count` times (an int, or a tensor) on CPU."""
+    from tf_nvlink.training.compiled_execution import execution_body
+
+    total = tf.Variable(0.0)
+
+    def step_body(batch):
+        total.assign_add(tf.reduce_sum(batch))
+        return {"total": total.read_value()}
+
+    batches = tuple(tf.fill([3], float(i)) for i in range(4))
+    if isinstance(count, int):
+        program = tf.function(execution_body(step_body, full=True), jit_compile=True, autograph=False)
+        return program, program.experimental_get_compiler_ir(batches)(stage="optimized_hlo"), batches
+    program = tf.function(execution_body(step_body, full=False), jit_compile=True, autograph=False)
+    return program, program.experimental_get_compiler_ir(batches, count)(stage="optimized_hlo"), batches
+
+
+def test_a_full_execution_loop_has_a_trip_count_xla_knows(tf):
+    """A full execution's loop count is a constant XLA annotates (known_trip_count): its GPU runtime then runs the
+    iterations back to back, without copying the loop condition to the host after each step. A partial
+    execution's tensor count is read on the device (no known trip count); both run their steps exactly."""
+    full, hlo, batches = _xla_loop_hlo(tf, 4)
+    assert '"known_trip_count":{"n":"4"}' in hlo
+    assert full(batches)["total"].numpy() == 3.0 * (0 + 1 + 2 + 3)
+    partial, hlo, batches = _xla_loop_hlo(tf, tf.constant(2))
+    assert "known_trip_count" not in hlo and " while(" in hlo
+    assert partial(batches, tf.constant(2))["total"].numpy() == 3.0 * (0 + 1)

@@ -15,11 +15,18 @@ When it applies (`execution_path(model)` says which path a model takes, and why)
   span processes: those keep the per-step path;
 - `tf_nvlink.strategy(compiled_execution=True)`, the default (False keeps the per-step path, for comparison).
 
+A full execution's loop runs exactly N times, a number XLA knows when it compiles (`known_trip_count`): the GPU
+then runs the N steps back to back. A loop whose count is a tensor makes XLA copy the loop condition to the host
+and wait for it after every step, so the GPU idles while the host launches the next step (the same gap the
+compiled execution exists to remove).
+
 Every execution, not only full ones: an execution with fewer than N batches (the epoch's end, a
-`steps_per_epoch` N does not divide, a dataset of unknown length that ends) runs the same program with a smaller
-trip count, the missing batches filled with the last one and never run; batches of another shape (a short last
-batch) run as their own execution, one more program. Under a tf_nvlink strategy an epoch runs the steps it
-asks for (`steps_per_epoch=7` at N=5: 5 + 2; Keras runs 5 + 5), whichever path the model takes.
+`steps_per_epoch` N does not divide, a dataset of unknown length that ends) runs one more program, whose count
+is a tensor (the missing batches filled with the last one and never run), so any number of steps below N runs
+in it; batches of another shape (a short last batch) run as their own partial execution. Programs per replica:
+one for full executions, one per batch shape of the partial ones, none per epoch. Under a tf_nvlink strategy
+an epoch runs the steps it asks for (`steps_per_epoch=7` at N=5: 5 + 2; Keras runs 5 + 5), whichever path the
+model takes.
 
 Custom training loops keep one program per `strategy.run` call (`tf_nvlink.training.per_replica_steps`).
 """
@@ -88,6 +95,79 @@ class StagedBatchesTooLarge(ValueError):
     """The batches of one execution do not fit on the device: `steps_per_execution` is too large."""
 
 
+def execution_body(step_body: Callable, full: bool) -> Callable:
+    """The Python function one replica compiles for an execution: its batches stacked, and a loop inside the
+    program running `step_body` on each, carrying the last step's outputs (logs). `body(batches)` for a full
+    execution (the loop runs `len(batches)` times, a count XLA knows), `body(batches, count)` for a partial one.
+
+    Example:
+        >>> program = tf.function(execution_body(step.body_for(0), full=True), jit_compile=True)
+        >>> logs = program(batches)          # inside the replica's strategy.run
+    """
+    def execution(batches, count):
+        stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
+        first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
+        # The logs' structure, from a trace that is never run: the loop carries them from step to step.
+        outputs_spec = tf.function(step_body, autograph=False).get_concrete_function(first).structured_outputs
+        start = tf.nest.map_structure(_zeros_like_spec, outputs_spec)
+        invariants = tf.nest.map_structure(lambda spec: spec.shape, outputs_spec)
+
+        def body(index, _):
+            return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
+
+        return _loop(count, body, start, invariants, len(batches))
+
+    if full:
+        return lambda batches: execution(batches, len(batches))
+    return execution
+
+
+class ReplicaPrograms:
+    """One compiled program per replica and kind of execution, run by `strategy.run`: `make_body(replica_id,
+    full)` gives the Python function a replica compiles, called as `body(batches)` for a full execution (its
+    loop count, `len(batches)`, known to XLA) and `body(batches, count)` for a partial one (a tensor count).
+
+    Example:
+        >>> programs = ReplicaPrograms(strategy, lambda replica_id, full: execution_body)
+        >>> per_replica_outputs = programs.run(batches)            # a full execution, inside a tf.function
+    """
+
+    def __init__(self, strategy, make_body: Callable[[int, bool], Callable]):
+        self.strategy, self.make_body = strategy, make_body
+        self._programs: dict[tuple[int, bool], Any] = {}  # (replica, full) -> its tf.function
+        self._lock = threading.Lock()
+
+    def program_for(self, replica_id: int, full: bool):
+        """The replica's tf.function for a full (True) or a partial execution, made on first use."""
+        with self._lock:
+            if (replica_id, full) not in self._programs:
+                self._programs[(replica_id, full)] = tf.function(
+                    self.make_body(replica_id, full), jit_compile=internals.per_replica_jit_compile(),
+                    autograph=False)
+            return self._programs[(replica_id, full)]
+
+    def run(self, batches, count=None):
+        """Each replica's program on its share of `batches`: a full execution when `count` is None."""
+        if count is None:
+            return self.strategy.run(lambda b: self.program_for(internals.replica_id(), True)(b), args=(batches,))
+        return self.strategy.run(lambda b, c: self.program_for(internals.replica_id(), False)(b, c),
+                                 args=(batches, count))
+
+    def traced(self) -> dict[str, list[int]]:
+        """How many programs each replica traced, for full executions and for partial ones (one per batch shape).
+
+        Example:
+            >>> model.train_function.programs.traced()     # 2 replicas, a short last batch
+            {'full': [1, 1], 'partial': [1, 1]}
+        """
+        with self._lock:
+            programs = dict(self._programs)
+        replicas = sorted({replica for replica, _ in programs})
+        return {kind: [programs[(r, full)].experimental_get_tracing_count() if (r, full) in programs else 0
+                       for r in replicas]
+                for kind, full in (("full", True), ("partial", False))}
+
+
 class CompiledExecution:
     """Keras' train (or test) function for a model on the compiled path: `function(iterator)` runs up to
     `steps_per_execution` steps as one XLA program per replica and returns the last step's logs.
@@ -107,45 +187,14 @@ class CompiledExecution:
         self.step = step
         self.one_step = one_step
         self.programs_run = 0  # executions run as one program (tests and the doctor read it)
-        self._compiled: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
+            self.step.body_for(replica_id), full))
         self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran
         self._ahead_of = None
         self._checked_memory = False
-        self._outer = tf.function(self._run_replicas, autograph=False)
-
-    # ---- the per-replica program -----------------------------------------------------------------------------
-
-    def _program_for(self, replica_id: int):
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(
-                    self._execution_body(self.step.body_for(replica_id)),
-                    jit_compile=internals.per_replica_jit_compile(), autograph=False)
-            return self._compiled[replica_id]
-
-    def _execution_body(self, step_body: Callable) -> Callable:
-        def execution(batches, count):
-            stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
-            first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
-            # The logs' structure, from a trace that is never run: the loop carries them from step to step.
-            outputs_spec = tf.function(step_body, autograph=False).get_concrete_function(first).structured_outputs
-            start = tf.nest.map_structure(_zeros_like_spec, outputs_spec)
-            invariants = tf.nest.map_structure(lambda spec: spec.shape, outputs_spec)
-
-            def body(index, _):
-                return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
-
-            return _loop(count, body, start, invariants, len(batches))
-
-        return execution
-
-    def _per_replica(self, batches, count):
-        return self._program_for(internals.replica_id())(batches, count)
-
-    def _run_replicas(self, batches, count):
-        outputs = self.strategy.run(self._per_replica, args=(batches, count))
-        return internals.reduce_step_outputs(outputs, self.strategy)
+        self._outer = tf.function(
+            lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
+                                                                      self.strategy), autograph=False)
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
@@ -181,9 +230,12 @@ class CompiledExecution:
                     outputs = self.one_step(batch)
                 continue
             self._check_memory(group[0])
-            padded = tuple(group) + (group[-1],) * (self.steps - len(group))
             with _explained_oom(self, group[0]):
-                outputs = self._outer(padded, tf.constant(len(group), tf.int32))
+                if len(group) == self.steps:
+                    outputs = self._outer(tuple(group))
+                else:  # never run: the count says so
+                    padded = tuple(group) + (group[-1],) * (self.steps - len(group))
+                    outputs = self._outer(padded, tf.constant(len(group), tf.int32))
             self.programs_run += 1
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             self._take_ahead(iterator)
@@ -249,18 +301,29 @@ def batch_bytes_per_replica(batch, strategy) -> int:
 
 
 def _loop(count, body: Callable, start, invariants, most: int):
-    """`body` run `count` times (a tensor, at most `most`) inside the replica's program: an XLA while loop.
+    """`body` run `count` times inside the replica's program: an XLA while loop.
 
-    Without XLA (tests' CPU emulation of fused mode) the loop is `most` unrolled conds: TensorFlow's own
-    collectives (the CPU stand-in for the all-reduce XLA compiles) hang when one replica's while loop launches the
-    same collective again (seen with 2 CPU replicas), while XLA runs its all-reduce in a loop natively."""
+    `count` is a Python int for a full execution: the loop's bound is then a constant, XLA knows the trip count
+    and its GPU runtime launches the iterations back to back. A tensor `count` (at most `most`, a partial
+    execution) is read by the loop condition, which XLA evaluates on the device and copies to the host after
+    every iteration, waiting for the GPU each time.
+
+    Without XLA (tests' CPU emulation of fused mode) the loop is unrolled (`most` conds for a tensor count):
+    TensorFlow's own collectives (the CPU stand-in for the all-reduce XLA compiles) hang when one replica's while
+    loop launches the same collective again (seen with 2 CPU replicas), while XLA runs its all-reduce in a loop
+    natively."""
+    known = isinstance(count, int)
     if internals.per_replica_jit_compile():
         return tf.while_loop(lambda index, _: index < count, body, (tf.constant(0), start),
-                             shape_invariants=(tf.TensorShape([]), invariants), maximum_iterations=most)[1]
+                             shape_invariants=(tf.TensorShape([]), invariants),
+                             maximum_iterations=None if known else most)[1]
     outputs = start
-    for index in range(most):
-        outputs = tf.cond(index < count, lambda index=index: body(tf.constant(index), outputs)[1],
-                          lambda: outputs)
+    for index in range(count if known else most):
+        if known:
+            outputs = body(tf.constant(index), outputs)[1]
+        else:
+            outputs = tf.cond(index < count, lambda index=index: body(tf.constant(index), outputs)[1],
+                              lambda: outputs)
     return outputs
 
 

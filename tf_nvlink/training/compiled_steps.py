@@ -23,14 +23,14 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import tensorflow as tf
 
 from tf_nvlink import internals
 from tf_nvlink.distribute import base
-from tf_nvlink.training.compiled_execution import _loop, _next_or_none, _signature, _stackable, _zeros_like_spec
+from tf_nvlink.training.compiled_execution import (ReplicaPrograms, _loop, _next_or_none, _signature, _stackable,
+                                                     _zeros_like_spec)
 
 
 class CompiledSteps:
@@ -56,11 +56,11 @@ class CompiledSteps:
         self.autograph = jit[2] if jit else True
         self.mode = runner.custom_loop_mode  # "fused": one program; "split": one strategy.run per step
         self.programs_run = 0
-        self._compiled: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self.programs = ReplicaPrograms(strategy, lambda replica_id, full: (
+            (lambda batches: self._program(batches, len(batches))) if full else self._program))
         self._held: list = []  # a batch of another shape, kept for the next call
         self._one_at_a_time = tf.function(self._run_one_by_one, autograph=False)
-        self._outer = tf.function(self._run_replicas, autograph=False)
+        self._outer = tf.function(self.programs.run, autograph=False)
 
     def __call__(self, iterator) -> tuple[Any, int]:
         """(the step's outputs summed over the steps run, per replica; steps run): up to `steps` batches, fewer
@@ -70,9 +70,12 @@ class CompiledSteps:
             return None, 0
         if self.mode != "fused" or not all(_stackable(batch, self.strategy) for batch in batches):
             return self._one_at_a_time(tuple(batches)), len(batches)
-        padded = tuple(batches) + (batches[-1],) * (self.steps - len(batches))  # never run: count says so
         try:
-            outputs = self._outer(padded, tf.constant(len(batches), tf.int32))
+            if len(batches) == self.steps:  # the loop's trip count is known to XLA
+                outputs = self._outer(tuple(batches))
+            else:
+                padded = tuple(batches) + (batches[-1],) * (self.steps - len(batches))  # never run: count says so
+                outputs = self._outer(padded, tf.constant(len(batches), tf.int32))
         except Exception as error:  # AutoGraph may re-raise a copy of tf_nvlink's error: matched by its text
             if "is not built yet" not in str(error):
                 raise
@@ -110,19 +113,8 @@ class CompiledSteps:
 
     # ---- fused mode: one program per replica ---------------------------------------------------------------
 
-    def _run_replicas(self, batches, count):
-        return self.strategy.run(self._per_replica, args=(batches, count))
-
-    def _per_replica(self, batches, count):
-        replica_id = internals.replica_id()
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self._program, jit_compile=internals.per_replica_jit_compile(),
-                                                         autograph=False)
-            program = self._compiled[replica_id]
-        return program(batches, count)
-
     def _program(self, batches, count):
+        """The replica's program: `count` (a Python int for a full call, else a tensor) steps over `batches`."""
         step = tf.autograph.to_graph(self.python_function) if self.autograph else self.python_function
         stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
 
