@@ -139,6 +139,28 @@ def test_steps_per_execution_advice_on_the_compiled_path_counts_the_whole_gap_an
     assert not [a for a in diagnose(b, none_fit).advice if a.change.startswith("steps_per_execution")]
 
 
+def test_compiled_path_advice_removes_the_idle_inside_the_step_too():
+    """Idle stretches inside a step (the host launching a step's kernels late) go on the compiled path as well:
+    the predicted step is the GPU's busy time less the exposed copy, plus the per-call gap once per execution."""
+    events = []
+    for step in range(8):  # each 30 ms step: a 1 ms copy, 8 ms of kernels, 3 ms idle, 8 ms more, a 10 ms gap
+        t = step * 30.0
+        events += [("MemcpyH2D", t, 1.0), ("fusion_a", t + 1.0, 8.0), ("fusion_b", t + 12.0, 8.0)]
+    (activity,) = gpu_activity(xspace({"/device:GPU:0": events})).values()
+    b = replica_breakdown(activity, step_ms=30.0, steps=8, calls=8)
+    assert b.idle_ms == pytest.approx(13.0) and b.per_call_gap_ms == pytest.approx(10.0)
+    compiled = StepContext(replicas=1, steps_per_execution=1, gradient_bytes=RESNET_BYTES, gradient_tensors=161,
+                           compiled_execution=True)
+    advice = [a for a in diagnose(b, compiled).advice if a.change.startswith("steps_per_execution")][0]
+    # busy 17 ms less the 1 ms copy: 16 ms; 10 / N <= 2% of 16 ms needs N >= 31.25: 32
+    assert advice.change == "steps_per_execution=32"
+    assert advice.predicted_step_ms == pytest.approx(16.0 + 10.0 / 32)
+    assert "all 13.00 ms of GPU idle per step but that goes" in advice.why
+    per_step = dataclasses.replace(compiled, compiled_execution=False)
+    advice = [a for a in diagnose(b, per_step).advice if a.change.startswith("steps_per_execution")][0]
+    assert advice.saved_ms == pytest.approx(10.0 * (1 - 1 / 32) * GAP_REMOVED_BY_MULTI_STEP)
+
+
 def test_input_bound_verdict_float_and_uint8_input():
     events = [("MemcpyH2D", 0.0, 12.0), ("fusion", 12.0, 18.0)]
     b = replica_breakdown(gpu_activity(xspace({"/device:GPU:0": events}))["/device:GPU:0"], step_ms=30.5,

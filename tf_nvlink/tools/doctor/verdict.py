@@ -1,12 +1,15 @@
 """The verdict on a step breakdown (host-bound, input-bound, link-bound, compute-bound) and the changes that
 help most, each with its predicted gain.
 
-- host-bound: the GPU idles (waits for the host). The per-call gap is paid once per call, so
-  `steps_per_execution=N` saves `gap * (calls per step - 1/N)` per step where the N steps run as one XLA program
-  per replica (tf_nvlink's compiled execution; its N batches, prefetched to the device while the previous
-  execution runs, also hide the exposed input copy), and `GAP_REMOVED_BY_MULTI_STEP` of the gap's saving on the per-step path
-  (Keras' loop still launches the steps one by one). N is capped so that the staged batches (about 4N) take at
-  most STAGED_MEMORY_SHARE of the device's free memory.
+- host-bound: the GPU idles (waits for the host). Where the N steps of `steps_per_execution=N` run as one XLA
+  program per replica (tf_nvlink's compiled execution), the GPU runs them back to back: it waits for the host
+  once per execution (the per-call gap, over N steps), and the N batches, prefetched to the device while the
+  previous execution runs, hide the exposed input copy. The predicted step is then the GPU's busy time less the
+  exposed copy, plus the per-call gap over N: every other idle stretch goes (this assumes the host enqueues a
+  step's kernels faster than the GPU runs them, as for any model whose step takes milliseconds). On the per-step
+  path (Keras' loop, which still launches the steps one by one) the per-call gap is paid once per call, and
+  `GAP_REMOVED_BY_MULTI_STEP` of `gap * (calls per step - 1/N)` is saved. N is capped so that the staged batches
+  (about 4N) take at most STAGED_MEMORY_SHARE of the device's free memory.
 - input-bound: host-to-device copies not hidden behind compute. float32 input sent as uint8 moves a quarter of the
   bytes (saves 3/4 of the exposed copy); prefetching to the devices hides the copy (saves all of it).
 - link-bound: the all-reduce not hidden behind compute. `allreduce_dtype="bfloat16"` halves the bytes: the saving is
@@ -39,6 +42,7 @@ REMAINING_GAP_FRACTION = 0.02
 # The share of the per-call gap that Keras' multi-step loop removes: each step inside the loop still launches its
 # XLA program and takes its batch from the iterator, so only part of the idle time between calls goes away. Fitted
 # to the step doctor's runs on 1x H200 (docs/results.md: ResNet-50 0.61, the 368M Transformer 0.52 of the gap).
+# Used only where the compiled execution does not apply (split mode, several workers, or turned off).
 GAP_REMOVED_BY_MULTI_STEP = 0.55
 # The compiled execution holds about 4N batches per device (the N staged, their stacked copy, the next N taken
 # and N prefetched): N is chosen so that they take at most this share of the device's free memory.
@@ -117,7 +121,6 @@ def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Opt
     execution); None without a per-call gap."""
     if b.per_call_gap_ms <= 0:
         return None
-    now = b.per_call_gap_ms * b.calls_per_step
     larger = [n for n in STEPS_PER_EXECUTION_CHOICES if n > context.steps_per_execution]
     memory_note = ""
     if context.compiled_execution and context.batch_bytes and context.device_free_bytes:
@@ -129,14 +132,20 @@ def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Opt
         larger = fits
     if not larger:
         return None
-    chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * b.step_ms), larger[-1])
-    removed = 1.0 if context.compiled_execution else GAP_REMOVED_BY_MULTI_STEP
-    saved = (now - b.per_call_gap_ms / chosen) * removed
-    how = ("the N steps then run as one XLA program per replica" if context.compiled_execution
-           else "Keras' loop still launches each step")
-    if context.compiled_execution and b.exposed_h2d_ms > 0:
-        saved += b.exposed_h2d_ms  # the N batches are prefetched to the device while the previous execution runs
-        how += f"; its N prefetched batches hide the {b.exposed_h2d_ms:.2f} ms of exposed input copy"
+    if context.compiled_execution:
+        # The GPU runs the N steps back to back: only the per-call gap is left, once per execution.
+        busy = max(b.step_ms - b.idle_ms - b.exposed_h2d_ms, 1e-6)
+        chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * busy), larger[-1])
+        saved = b.step_ms - (busy + b.per_call_gap_ms / chosen)
+        how = (f"the N steps then run as one XLA program per replica, back to back on the GPU, which waits for "
+               f"the host once per execution; all {b.idle_ms:.2f} ms of GPU idle per step but that goes")
+        if b.exposed_h2d_ms > 0:
+            how += f", and its N prefetched batches hide the {b.exposed_h2d_ms:.2f} ms of exposed input copy"
+    else:
+        chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * b.step_ms),
+                      larger[-1])
+        saved = (b.per_call_gap_ms * b.calls_per_step - b.per_call_gap_ms / chosen) * GAP_REMOVED_BY_MULTI_STEP
+        how = "Keras' loop still launches each step"
     return _advice(f"steps_per_execution={chosen}",
                    f"each training-function call leaves the GPU idle {b.per_call_gap_ms:.2f} ms between calls; "
                    f"{chosen} steps per call pay the call's share of it once ({how}){memory_note}", saved, b.step_ms)
