@@ -4,8 +4,11 @@ Per model, interleaved rounds (the order rotates every round) of whole `model.fi
 after a warm-up fit that compiles:
   spe=1        `tf_nvlink.strategy()`, steps_per_execution=1 (what the step doctor looks at);
   per-step     steps_per_execution=N, compiled execution off (one XLA program per step, Keras' loop);
-  compiled     steps_per_execution=N, compiled execution on (the default);
-  buffered     the compiled execution with N batches prefetched to the device (`input_buffer=N`, not 1);
+  compiled     steps_per_execution=N, compiled execution on (the default): N batches prefetched to the device,
+               a full execution's loop count known to XLA;
+  count-on-device  the compiled execution with its loop count passed as a tensor for full executions too (as a
+               partial execution runs): XLA then reads the loop condition on the host after every step, the cost
+               the known trip count removes;
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
   torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
@@ -15,11 +18,12 @@ The host-fed setups read one synthetic batch from host memory through tf.data (u
 int32 tokens), mixed_bfloat16, SGD momentum 0.9, XLA. One process holds one strategy; the compiled execution is
 switched per model through the plan (what `tf_nvlink.strategy(compiled_execution=False)` sets for a process).
 The step doctor profiles the spe=1 model once (before the rounds): its step breakdown and its advice are kept, and
-its predicted gain is set beside the measured one (spe=1 against the compiled execution at the advised N). After
-the rounds it profiles the compiled execution too (its GPU idle share, the input copy's GB/s).
+its predicted gain is set beside the measured one (spe=1 against the compiled execution at the advised N); the
+compiled execution's step is set beside the doctor's compute time. After the rounds it profiles the compiled
+execution too (its GPU idle share, the input copy's GB/s).
 
     python benchmarks/compiled_execution.py --models resnet50 --rounds 3 --json r50.json            # 1x H200
-    python benchmarks/compiled_execution.py --models transformer --rounds 3 --json tfm.json
+    python benchmarks/compiled_execution.py --models transformer --rounds 3 --steps 48 --json tfm.json
     python benchmarks/compiled_execution.py --models convnet --devices cpu --rounds 1 --notorch --steps 8
 """
 
@@ -43,7 +47,8 @@ from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
-SETUPS = ("spe=1", "per-step", "compiled", "buffered", "resident", "torch")
+SETUPS = ("spe=1", "per-step", "compiled", "count-on-device", "resident", "torch")
+COMPILED_SETUPS = ("compiled", "count-on-device", "resident", "advised")
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
@@ -65,11 +70,16 @@ _JSON = flags.DEFINE_string("json", "", "Write every measurement to this JSON fi
 _OUTPUT = flags.DEFINE_string("output_dir", "compiled_execution_out", "Where the doctor's files go.")
 
 
-def plan_for(strategy, setup: str, steps_per_execution: int):
-    """The strategy's plan as `setup` runs it: compiled execution on or off, the input prefetch depth."""
-    return dataclasses.replace(strategy.plan, compiled_execution=setup in ("compiled", "buffered", "resident",
-                                                                           "advised"),
-                               input_buffer=steps_per_execution if setup == "buffered" else strategy.plan.input_buffer)
+def plan_for(strategy, setup: str):
+    """The strategy's plan as `setup` runs it: compiled execution on or off."""
+    return dataclasses.replace(strategy.plan, compiled_execution=setup in COMPILED_SETUPS)
+
+
+def count_on_device(model) -> None:
+    """Make `model`'s compiled execution pass its loop count as a tensor for full executions too (the program
+    partial executions run): one more step than N is its capacity, so every execution of N steps is "partial"."""
+    function = model.train_function
+    function.steps = model.steps_per_execution + 1
 
 
 def set_plan(strategy, plan) -> None:
@@ -122,11 +132,14 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     doctor_report = None
 
     def add(setup, n):
-        plans[setup] = plan_for(strategy, setup, n)
+        plans[setup] = plan_for(strategy, setup)
         set_plan(strategy, plans[setup])
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
                                              resident=setup == "resident")
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
+        if setup == "count-on-device":
+            count_on_device(model)
+            compile_s[setup] += timed_fit(model, dataset, 2 * n)  # the program with the tensor count compiles
         paths[setup] = compiled_execution.execution_path(model)
         models[setup] = (model, dataset)
         return global_batch
@@ -169,9 +182,10 @@ def bench_model(name: str, strategy, setups: list) -> dict:
                        "warmup_fit_s": compile_s.get(setup)}
     record = {"model": name, "global_batch": global_batch, "steps": steps, "steps_per_execution": n,
               "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report,
-              "prediction": prediction_check(doctor_report, rows, advised or n, "advised" if "advised" in rows
-                                             else "buffered" if "buffered" in rows else "compiled")}
-    fed = "buffered" if "buffered" in models else "compiled" if "compiled" in models else None
+              "prediction": prediction_check(doctor_report, rows, advised or n,
+                                             "advised" if "advised" in rows else "compiled"),
+              "against_compute": against_compute(doctor_report, rows)}
+    fed = "compiled" if "compiled" in models else None
     if _DOCTOR.value and fed:  # after the rounds: the compiled execution's own breakdown (its GPU idle)
         set_plan(strategy, plans[fed])
         model, dataset = models[fed]
@@ -205,6 +219,15 @@ def prediction_check(report, rows: dict, n: int, setup: str):
             "relative_error": (predicted - measured) / measured if measured else None}
 
 
+def against_compute(report, rows: dict):
+    """The compiled execution's ms per step over the doctor's compute time per step (spe=1's kernels)."""
+    compute = ((report or {}).get("mean") or {}).get("compute_ms")
+    if not compute or "compiled" not in rows:
+        return None
+    return {"compute_ms": compute, "compiled_ms": rows["compiled"]["ms_per_step"],
+            "ratio": rows["compiled"]["ms_per_step"] / compute}
+
+
 def render(record: dict) -> str:
     rows = record["rows"]
     lines = [f"\n## {record['model']} (global batch {record['global_batch']}, N={record['steps_per_execution']}, "
@@ -233,6 +256,10 @@ def render(record: dict) -> str:
         lines.append(f"prediction check N={check['n']} ({check['setup']}): predicted +{check['predicted_gain']:.1%}, "
                      f"measured +{check['measured_gain']:.1%}"
                      + (f" (relative error {error:+.0%})" if error is not None else ""))
+    ratio = record.get("against_compute")
+    if ratio:
+        lines.append(f"compiled step {ratio['compiled_ms']:.2f} ms against the doctor's compute {ratio['compute_ms']:.2f} "
+                     f"ms per step: {ratio['ratio']:.3f}x")
     compiled = record.get("doctor_compiled") or {}
     mean = compiled.get("mean")
     if mean:

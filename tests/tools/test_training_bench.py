@@ -256,6 +256,8 @@ def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
     np.testing.assert_allclose(device.predict(order, verbose=0), host.predict(x[order], verbose=0), rtol=1e-5)
     assert len(device.trainable_variables) == len(host.trainable_variables)  # the held batch is not trained
     assert host.inputs[0].dtype == x.dtype and device.inputs[0].dtype == "int32"
+    held = [w for w in device.non_trainable_weights if "device_batch" in w.path][0]
+    assert held.dtype == ("int64" if x.dtype == "int32" else str(x.dtype))  # int32 variables live on the host
     with pytest.raises(ValueError, match="input should be one of \\['host', 'device'\\]"):
         bench_models.build_bench_model(name, x, keras, "disk")
 

@@ -9,6 +9,7 @@ the callbacks saw, and how many programs the compiled run traced and ran.
 """
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -107,12 +108,16 @@ def train(case, compiled):
     evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     function = model.train_function
     programs = function.programs.traced() if hasattr(function, "programs") else None
+    gc.collect()  # fit's iterator is gone: the compiled execution must not keep its input pipeline running
+    holds_input = bool(getattr(function, "_taken_ahead", None)) or (
+        hasattr(function, "_ahead_of") and function._ahead_of() is not None)
     return {
         "function": type(function).__name__,
         "weights": [w.ravel().tolist() for w in model.get_weights()],
         "iterations": int(model.optimizer.iterations.numpy()),
         "loss": losses, "evaluate": evaluated, "batch_ends": callback.ends,
         "programs_traced": programs, "programs_run": getattr(function, "programs_run", None),
+        "holds_input_after_fit": holds_input,
         "test_function": type(model.test_function).__name__,
         "predictions": getattr(model, "predictions", None), "checkpoints": getattr(model, "checkpoints", None),
     }

@@ -66,6 +66,7 @@ def test_two_replicas_compiled_equal_per_step_training(case):
     partial = 2 if case == "steps_per_epoch" else 1  # its partial executions hold full and short batches
     assert compiled["programs_traced"] == {"full": [1, 1], "partial": [partial, partial]}
     assert compiled["batch_ends"] == _BATCH_ENDS[case]
+    assert not compiled["holds_input_after_fit"]  # no input pipeline kept running (or batches kept) after fit
     steps = {"steps_per_epoch": 21, "accumulate": 5}.get(case, 10)  # accumulate: 10 batches, 5 updates
     assert compiled["iterations"] == steps
     if case != "unknown_length":  # per step, Keras counts the call that finds the data at its end as a step too

@@ -145,15 +145,19 @@ def _device_resident_batch_class():
     import keras  # noqa: PLC0415
 
     class _DeviceResidentBatch(keras.layers.Layer):
-        """Gathers examples by index from a non-trainable copy of the batch on each replica's device."""
+        """Gathers examples by index from a non-trainable copy of the batch on each replica's device. int32 data
+        (tokens) is held as int64: TensorFlow keeps int32 variables in host memory, where a GPU's XLA program
+        cannot read them ("Trying to access resource ... located in device CPU:0 from device GPU:0")."""
 
         def __init__(self, data, **kwargs):
             super().__init__(**kwargs)
-            self.data = self.add_weight(shape=data.shape, dtype=str(data.dtype), trainable=False,
-                                        initializer=lambda shape, dtype: data, name="device_batch")
+            self.output_dtype = str(data.dtype)
+            held = data.astype("int64") if self.output_dtype == "int32" else data
+            self.data = self.add_weight(shape=held.shape, dtype=str(held.dtype), trainable=False,
+                                        initializer=lambda shape, dtype: held, name="device_batch")
 
         def call(self, indices):
-            return keras.ops.take(self.data, indices, axis=0)
+            return keras.ops.cast(keras.ops.take(self.data, indices, axis=0), self.output_dtype)
 
     return _DeviceResidentBatch
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -190,7 +191,9 @@ class CompiledExecution:
         self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
             self.step.body_for(replica_id), full))
         self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran
-        self._ahead_of = None
+        # A weak reference: once fit or evaluate drops its iterator, its input pipeline's threads stop (a kept
+        # one went on prefetching beside the next fit) and the batches taken ahead from it are let go.
+        self._ahead_of: Callable[[], Any] = lambda: None
         self._checked_memory = False
         self._outer = tf.function(
             lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
@@ -199,8 +202,9 @@ class CompiledExecution:
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
     def _take(self, iterator, count: int) -> list:
-        if iterator is not self._ahead_of:
-            self._taken_ahead, self._ahead_of = [], iterator
+        if iterator is not self._ahead_of():
+            self._taken_ahead = []
+            self._ahead_of = _weak(iterator, self._taken_ahead.clear)  # this list's clear
         batches = self._taken_ahead[:count]
         del self._taken_ahead[:count]
         while len(batches) < count:
@@ -330,6 +334,15 @@ def _loop(count, body: Callable, start, invariants, most: int):
 def _zeros_like_spec(spec):
     return tf.zeros([0 if dim is None else dim for dim in spec.shape.as_list()], spec.dtype) \
         if spec.shape.rank is not None else tf.zeros([], spec.dtype)
+
+
+def _weak(value, on_release: Callable[[], None]) -> Callable[[], Any]:
+    """A weak reference to `value` (`on_release()` once it is gone), or a strong one where Python cannot make a
+    weak one."""
+    try:
+        return weakref.ref(value, lambda _: on_release())
+    except TypeError:
+        return lambda: value
 
 
 def _next_or_none(iterator):
