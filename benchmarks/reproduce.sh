@@ -68,11 +68,11 @@ for stage in $stages; do
              --candidates auto,auto@customloop --json "$out/loops.json" ;;
     profile) run profile "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 1 --steps 30 \
                --candidates 1gpu,onedevice,auto --profile "$out/profile" --json "$out/profile.json" ;;
-    compiled) run compiled "$py" benchmarks/compiled_execution.py --models resnet50 --rounds 3 --nodoctor \
-                --json "$out/compiled_r50.json" ;;
+    compiled) run compiled "$py" benchmarks/compiled_execution.py --models resnet50 --rounds 3 \
+                --json "$out/compiled_r50.json" --output_dir "$out/doctor" ;;
     compiled_transformer) run compiled_transformer "$py" benchmarks/compiled_execution.py --models transformer \
-                            --rounds 3 --nodoctor --steps 48 --warmup_steps 16 --setups per-step,compiled,buffered \
-                            --json "$out/compiled_tfm.json" ;;
+                            --rounds 3 --steps 48 --warmup_steps 16 --json "$out/compiled_tfm.json" \
+                            --output_dir "$out/doctor" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
             "p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu onegpu8 compiled" \
