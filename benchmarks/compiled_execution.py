@@ -6,6 +6,7 @@ after a warm-up fit that compiles:
   per-step     steps_per_execution=N, compiled execution off (one XLA program per step, Keras' loop);
   compiled     steps_per_execution=N, compiled execution on (the default): N batches prefetched to the device,
                a full execution's loop count known to XLA;
+  pageable     the compiled execution with its input copied from pageable host memory (pinning off);
   count-on-device  the compiled execution with its loop count passed as a tensor for full executions too (as a
                partial execution runs): XLA then reads the loop condition on the host after every step, the cost
                the known trip count removes;
@@ -47,8 +48,8 @@ from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
-SETUPS = ("spe=1", "per-step", "compiled", "count-on-device", "resident", "torch")
-COMPILED_SETUPS = ("compiled", "count-on-device", "resident", "advised")
+SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "resident", "torch")
+COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "resident", "advised")
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
@@ -72,7 +73,7 @@ _OUTPUT = flags.DEFINE_string("output_dir", "compiled_execution_out", "Where the
 
 def plan_for(strategy, setup: str):
     """The strategy's plan as `setup` runs it: compiled execution on or off."""
-    return dataclasses.replace(strategy.plan, compiled_execution=setup in COMPILED_SETUPS)
+    return dataclasses.replace(strategy.plan, compiled_execution=setup in COMPILED_SETUPS + ("spe=1",))
 
 
 def count_on_device(model) -> None:
@@ -137,6 +138,8 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
                                              resident=setup == "resident")
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
+        if setup == "pageable":
+            model.train_function.pinned_input = False  # the next fits' input is distributed from pageable memory
         if setup == "count-on-device":
             count_on_device(model)
             compile_s[setup] += timed_fit(model, dataset, 2 * n)  # the program with the tensor count compiles

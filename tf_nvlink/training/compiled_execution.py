@@ -92,6 +92,44 @@ def input_depth(model):
     return max(model.steps_per_execution, getattr(model.distribute_strategy.plan, "input_buffer", 0) or 0)
 
 
+def input_staging(model):
+    """(prefetch depth, host transform) for the input of `model`'s fit/evaluate on the compiled path, else None:
+    `input_depth(model)` batches prefetched to each device, copied from pinned host memory (`pinned_batches`)
+    unless the model's compiled execution says `pinned_input = False`.
+
+    Example:
+        >>> input_staging(model)     # steps_per_execution=16, compiled
+        (16, <function pinned_batches ...>)
+    """
+    depth = input_depth(model)
+    if depth is None:
+        return None
+    function = getattr(model, "train_function", None)
+    return depth, pinned_batches if getattr(function, "pinned_input", True) else None
+
+
+def pinned_batches(dataset):
+    """`dataset` with each dense batch copied into pinned (page-locked) host memory, which the GPU copies from at
+    the link's speed and concurrently with its kernels; a copy from pageable memory ran at 6 GB/s on 1x H200 and
+    did not overlap the compiled execution's program. TensorFlow allocates the output of tf.data's fused
+    map-and-batch in pinned memory on a machine with GPUs (its "GPU compatible" host allocator): each batch goes
+    through one as a batch of one, and the extra dimension is dropped again (a reshape, no copy). Batches with
+    sparse or ragged parts are left as they are.
+
+    Example:
+        >>> distributed = strategy.experimental_distribute_dataset(pinned_batches(dataset))
+    """
+    if not all(isinstance(spec, tf.TensorSpec) for spec in tf.nest.flatten(dataset.element_spec)):
+        return dataset
+    single = not isinstance(dataset.element_spec, tuple)
+
+    def element(*parts):
+        return parts[0] if single else parts
+
+    staged = dataset.apply(tf.data.experimental.map_and_batch(element, 1))
+    return staged.map(lambda *parts: tf.nest.map_structure(lambda t: tf.squeeze(t, 0), element(*parts)))
+
+
 class StagedBatchesTooLarge(ValueError):
     """The batches of one execution do not fit on the device: `steps_per_execution` is too large."""
 
@@ -188,6 +226,7 @@ class CompiledExecution:
         self.step = step
         self.one_step = one_step
         self.programs_run = 0  # executions run as one program (tests and the doctor read it)
+        self.pinned_input = True  # the input copied from pinned host memory (see `input_staging`)
         self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
             self.step.body_for(replica_id), full))
         self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran

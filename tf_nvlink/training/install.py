@@ -112,14 +112,14 @@ def _per_step_function(model, step_function: Callable, kind: str, keras_make_fun
 def install_keras_hooks() -> str | None:
     """Install the trainer hooks once; returns None when installed, else why not (and nothing is changed)."""
     return internals.install_trainer_hooks(base.is_tf_nvlink_strategy, _make_function,
-                                           compiled_execution.input_depth)
+                                           compiled_execution.input_staging)
 
 
 def enable_per_replica_xla() -> None:
     """Install the trainer hooks for a tf_nvlink strategy being built; on a Keras without the internals they need,
     log why, and make a jit-compiled step under that strategy raise `UnsupportedKerasError`."""
     problem = internals.enable_trainer_hooks(base.is_tf_nvlink_strategy, _make_function,
-                                             compiled_execution.input_depth)
+                                             compiled_execution.input_staging)
     if problem:
         log.warning("tf_nvlink: per-replica XLA unavailable: %s", problem)
 
