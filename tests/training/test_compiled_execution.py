@@ -208,3 +208,34 @@ def test_a_full_execution_loop_has_a_trip_count_xla_knows(tf):
     partial, hlo, batches = _xla_loop_hlo(tf, tf.constant(2))
     assert "known_trip_count" not in hlo and " while(" in hlo
     assert partial(batches, tf.constant(2))["total"].numpy() == 3.0 * (0 + 1)
+
+
+def test_pinned_batches_hold_the_same_batches_in_the_same_structure(tf):
+    """The compiled execution's host stage (each batch through tf.data's map-and-batch, which allocates pinned
+    memory on GPU machines) yields every batch unchanged, the short last one included, for tuple, dict and single
+    tensor elements; batches with ragged parts are left alone."""
+    from tf_nvlink.training.compiled_execution import pinned_batches
+
+    x = np.arange(70 * 3, dtype="uint8").reshape(70, 3)
+    y = np.arange(70, dtype="int32")
+    for dataset in (tf.data.Dataset.from_tensor_slices((x, y)).batch(15),
+                    tf.data.Dataset.from_tensor_slices({"a": x, "b": y}).batch(15),
+                    tf.data.Dataset.from_tensor_slices(x).batch(15)):
+        staged = pinned_batches(dataset)
+        assert staged.element_spec == dataset.element_spec
+        pairs = list(zip(dataset, staged))
+        assert len(pairs) == 5 == len(list(staged))
+        for a, b in pairs:
+            tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+    ragged = tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [1, 2]])).batch(2)
+    assert pinned_batches(ragged) is ragged
+
+
+def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf):
+    from tf_nvlink.training import compiled_execution
+
+    model = _model()
+    assert compiled_execution.input_staging(model) == (4, compiled_execution.pinned_batches)
+    model.train_function = types.SimpleNamespace(pinned_input=False)  # the benchmark's pageable setup
+    assert compiled_execution.input_staging(model) == (4, None)
+    assert compiled_execution.input_staging(_model(compiled=False)) is None
