@@ -113,11 +113,13 @@ def test_four_replicas_and_the_rest_of_fit_and_custom_loops_match_one_device():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["plain", "split"])
 def test_two_workers_match_one_device(mode):
-    """2 CPU worker processes (MultiWorkerMirroredStrategy, 1 replica each): every scenario within 1e-5."""
+    """2 CPU worker processes (MultiWorkerMirroredStrategy, 1 replica each): every scenario within 1e-5, a worker
+    without examples in a BatchNorm model, clipping after the all-reduce and mean_with_sample_weight included."""
     ports = json_workers.free_ports(2, host="127.0.0.1")
     cluster = {"worker": [f"localhost:{port}" for port in ports]}
     script = str(ROOT / "benchmarks" / "exact_batches_gpu.py")
-    names = ",".join(CORE + ["accumulate_4", "sample_weight", "validation_split"])
+    names = ",".join(CORE + ["accumulate_4", "sample_weight", "validation_split", "batchnorm_1_plus_0", "clipnorm",
+                             "global_clipnorm", "clipvalue", "mean_with_sample_weight"])
     commands = [[sys.executable, script, "--devices", "tf_config", "--mode", mode, "--scenarios", names]] * 2
     envs = [json_workers.package_env({"CUDA_VISIBLE_DEVICES": "", "TF_CONFIG": json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": index}})}) for index in range(2)]

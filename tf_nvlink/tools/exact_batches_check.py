@@ -1,8 +1,8 @@
 """Does a strategy train every batch as one device does? Runs `model.fit` scenarios under a strategy and the
 same training on one device in the same process, and reports how far apart the weights and logs end.
 
-Each scenario is a small model (8 inputs, Dense 4 relu, then Dense 1 with mean squared error, or a 3-class
-softmax for `class_weight`; SGD 0.1, float32) trained for one epoch (two with validation or a learning-rate
+Each scenario is a small model (8 inputs, Dense 4 relu, a BatchNormalization for `batchnorm_1_plus_0`, then
+Dense 1 with mean squared error, or a 3-class softmax for `class_weight`; SGD 0.1, clipping where named, float32) trained for one epoch (two with validation or a learning-rate
 callback) without shuffling from the same initial weights; the numbers are the largest absolute differences
 from the single-device run: `weights` (every weight), `loss` (the logged loss of every epoch), `metrics` (every
 other logged value: the compiled metric, and `val_loss`/`val_*` with validation).
@@ -39,6 +39,14 @@ SCENARIOS: dict[str, dict] = {
     "lr_callback": {"examples": 67, "batch_size": 16, "lr_callback": True, "epochs": 2},
     "class_weight": {"examples": 67, "batch_size": 16, "classes": 3, "class_weight": {0: 1.0, 1: 2.0, 2: 0.5}},
     "save_and_load": {"examples": 67, "batch_size": 32, "save_and_load": True},
+    # Every step splits 1 + 0: BatchNormalization on a replica without examples (its moments 0, not 0 / 0).
+    "batchnorm_1_plus_0": {"examples": 1, "batch_size": 32, "batchnorm": True, "epochs": 2},
+    # Clipping acts on the all-reduced gradients, as on one device (the thresholds clip every step).
+    "clipnorm": {"examples": 67, "batch_size": 32, "optimizer": {"clipnorm": 0.05}},
+    "global_clipnorm": {"examples": 67, "batch_size": 32, "optimizer": {"global_clipnorm": 0.05}},
+    "clipvalue": {"examples": 67, "batch_size": 32, "optimizer": {"clipvalue": 0.01}},
+    "mean_with_sample_weight": {"examples": 67, "batch_size": 32, "sample_weight": True,
+                                "reduction": "mean_with_sample_weight"},
 }
 
 
@@ -62,14 +70,18 @@ def _train(settings: dict, initial_weights, jit_compile, strategy=None):
 
     classes = settings.get("classes", 0)
     with scope():
-        model = _model(classes)
+        model = _model(classes, batchnorm=settings.get("batchnorm", False))
         model.set_weights(initial_weights)
         learning_rate = 0.1
         if settings.get("schedule"):
             learning_rate = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
         optimizer = keras.optimizers.SGD(learning_rate,
-                                         gradient_accumulation_steps=settings.get("accumulation"))
-        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy" if classes else "mse",
+                                         gradient_accumulation_steps=settings.get("accumulation"),
+                                         **settings.get("optimizer", {}))
+        loss = "sparse_categorical_crossentropy" if classes else "mse"
+        if settings.get("reduction"):
+            loss = keras.losses.MeanSquaredError(reduction=settings["reduction"])
+        model.compile(optimizer=optimizer, loss=loss,
                       metrics=["accuracy" if classes else "mae"], jit_compile=jit_compile,
                       steps_per_execution=settings.get("steps_per_execution", 1))
     x, y, sample_weight = _data(settings["examples"], classes=classes)
@@ -94,11 +106,12 @@ def _train(settings: dict, initial_weights, jit_compile, strategy=None):
     return model.get_weights(), history
 
 
-def _model(classes: int = 0):
+def _model(classes: int = 0, batchnorm: bool = False):
     import keras  # noqa: PLC0415
 
     head = keras.layers.Dense(classes, activation="softmax") if classes else keras.layers.Dense(1)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), head])
+    middle = [keras.layers.BatchNormalization()] if batchnorm else []
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), *middle, head])
 
 
 _SINGLE_DEVICE: dict[str, tuple] = {}  # scenario -> (initial weights, final weights, logs) on one device
@@ -117,7 +130,7 @@ def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
         settings = SCENARIOS[name]
         if name not in _SINGLE_DEVICE:  # the same for every strategy and mode in this process
             keras.utils.set_random_seed(1)
-            initial = _model(settings.get("classes", 0)).get_weights()
+            initial = _model(settings.get("classes", 0), settings.get("batchnorm", False)).get_weights()
             _SINGLE_DEVICE[name] = (initial, *_train(settings, initial, jit_compile=False))
         initial, single_weights, single_logs = _SINGLE_DEVICE[name]
         try:
@@ -126,6 +139,9 @@ def run_scenarios(strategy, jit_compile, names=None) -> dict[str, dict]:
             results[name] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
             continue
         metric_keys = [k for k in single_logs if k != "loss"]
+        if not all(np.all(np.isfinite(w)) for w in weights):
+            results[name] = {"error": "NonFinite: a weight is NaN or Inf after training"}
+            continue
         results[name] = {
             "weights": float(max(np.max(np.abs(a - b)) for a, b in zip(weights, single_weights))),
             "loss": float(np.max(np.abs(np.array(logs["loss"]) - single_logs["loss"]))),
