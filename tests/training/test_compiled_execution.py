@@ -26,16 +26,18 @@ def _cases_body(layout, cases):
 
 
 # Started in the background when the tests are collected (tests/scenarios.py), so they run beside other tests.
-# The default run's cases; the slow tier's: a dataset of unknown length (the one-replica run has it too), gradient
-# accumulation and a model without BatchNorm.
-_TWO_CASES = ["numpy", "steps_per_epoch", "loss_scale", "rest_of_fit"]
-_TWO_SLOW_CASES = ["unknown_length", "accumulate", "no_batchnorm"]
+# The default run's cases on 2 replicas: full and partial executions, a short last batch, steps_per_epoch; the
+# one-replica run adds a dataset of unknown length and the rest of fit (validation, checkpoints, backup and
+# resume, predict). The slow tier's: those two, a LossScaleOptimizer, gradient accumulation and a model without
+# BatchNorm on 2 replicas (the GPU tests run them all under XLA).
+_TWO_CASES = ["numpy", "steps_per_epoch"]
+_TWO_SLOW_CASES = ["loss_scale", "rest_of_fit", "unknown_length", "accumulate", "no_batchnorm"]
 TWO = scenarios.Scenario("compiled_execution_two_replicas", prelude="", cases={
     "all": _cases_body("emulated2", ",".join(_TWO_CASES))}, timeout=900)
 TWO_SLOW = scenarios.Scenario("compiled_execution_two_replicas_slow", prelude="", cases={
     "all": _cases_body("emulated2", ",".join(_TWO_SLOW_CASES))}, timeout=900, slow=True)
 ONE = scenarios.Scenario("compiled_execution_one_replica", prelude="", cases={
-    "all": _cases_body("emulated1", "numpy,steps_per_epoch,unknown_length,memory_check")}, timeout=900)
+    "all": _cases_body("emulated1", "numpy,unknown_length,rest_of_fit,memory_check")}, timeout=900)
 
 
 def _assert_same_training(case, per_step, compiled):
@@ -71,9 +73,14 @@ def test_two_replicas_compiled_equal_per_step_training(case):
     assert compiled["iterations"] == steps
     if case != "unknown_length":  # per step, Keras counts the call that finds the data at its end as a step too
         assert per_step["iterations"] == steps
-    if case == "rest_of_fit":  # validation, checkpoints, a resumed fit (epoch 2 of 2), predict
-        assert compiled["checkpoints"] == per_step["checkpoints"] == ["epoch_001.keras", "epoch_002.keras"]
-        np.testing.assert_allclose(compiled["predictions"], per_step["predictions"], rtol=1e-5, atol=1e-6)
+    if case == "rest_of_fit":
+        _assert_rest_of_fit(per_step, compiled)
+
+
+def _assert_rest_of_fit(per_step, compiled):
+    """Validation, checkpoints, a resumed fit (epoch 2 of 2) and predict as on the per-step path."""
+    assert compiled["checkpoints"] == per_step["checkpoints"] == ["epoch_001.keras", "epoch_002.keras"]
+    np.testing.assert_allclose(compiled["predictions"], per_step["predictions"], rtol=1e-5, atol=1e-6)
 
 
 def test_one_replica_compiled_equals_per_step_training():
@@ -81,8 +88,10 @@ def test_one_replica_compiled_equals_per_step_training():
         if case == "memory_check":
             continue
         _assert_same_training(case, runs["per_step"], runs["compiled"])
-        partial = 2 if case == "steps_per_epoch" else 1
-        assert runs["compiled"]["programs_traced"] == {"full": [1], "partial": [partial]}, case
+        assert runs["compiled"]["programs_traced"] == {"full": [1], "partial": [1]}, case
+        assert not runs["compiled"]["holds_input_after_fit"], case
+        if case == "rest_of_fit":
+            _assert_rest_of_fit(runs["per_step"], runs["compiled"])
 
 
 def test_batches_that_do_not_fit_raise_before_training():

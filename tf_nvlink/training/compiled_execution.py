@@ -145,16 +145,10 @@ def execution_body(step_body: Callable, full: bool) -> Callable:
     """
     def execution(batches, count):
         stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
-        first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
-        # The logs' structure, from a trace that is never run: the loop carries them from step to step.
-        outputs_spec = tf.function(step_body, autograph=False).get_concrete_function(first).structured_outputs
-        start = tf.nest.map_structure(_zeros_like_spec, outputs_spec)
-        invariants = tf.nest.map_structure(lambda spec: spec.shape, outputs_spec)
-
         def body(index, _):
             return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
 
-        return _loop(count, body, start, invariants, len(batches))
+        return _loop(count, body, lambda: _carried_start(step_body, stacked), len(batches))
 
     if full:
         return lambda batches: execution(batches, len(batches))
@@ -343,8 +337,20 @@ def batch_bytes_per_replica(batch, strategy) -> int:
     return max(per_replica)
 
 
-def _loop(count, body: Callable, start, invariants, most: int):
+def _carried_start(step_fn: Callable, stacked) -> tuple:
+    """(zeros, shapes) of the outputs `step_fn` gives for one of the `stacked` batches, from a trace that is never
+    run: what a loop carries from step to step starts as those zeros."""
+    first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
+    spec = tf.function(step_fn, autograph=False).get_concrete_function(first).structured_outputs
+    return tf.nest.map_structure(_zeros_like_spec, spec), tf.nest.map_structure(lambda leaf: leaf.shape, spec)
+
+
+def _loop(count, body: Callable, carried_start: Callable[[], tuple], most: int):
     """`body` run `count` times inside the replica's program: an XLA while loop.
+
+    `body(index, carried)` returns (index + 1, the new carried outputs); `carried_start()` gives (the first
+    carried outputs, their shapes), called only where a loop needs them (the unrolled full loop of the CPU
+    emulation starts from None instead).
 
     `count` is a Python int for a full execution: the loop's bound is then a constant, XLA knows the trip count
     and its GPU runtime launches the iterations back to back. A tensor `count` (at most `most`, a partial
@@ -357,10 +363,11 @@ def _loop(count, body: Callable, start, invariants, most: int):
     natively."""
     known = isinstance(count, int)
     if internals.per_replica_jit_compile():
+        start, invariants = carried_start()
         return tf.while_loop(lambda index, _: index < count, body, (tf.constant(0), start),
                              shape_invariants=(tf.TensorShape([]), invariants),
                              maximum_iterations=None if known else most)[1]
-    outputs = start
+    outputs = None if known else carried_start()[0]
     for index in range(count if known else most):
         if known:
             outputs = body(tf.constant(index), outputs)[1]

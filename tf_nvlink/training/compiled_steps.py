@@ -29,8 +29,8 @@ import tensorflow as tf
 
 from tf_nvlink import internals
 from tf_nvlink.distribute import base
-from tf_nvlink.training.compiled_execution import (ReplicaPrograms, _loop, _next_or_none, _signature, _stackable,
-                                                     _zeros_like_spec)
+from tf_nvlink.training.compiled_execution import (ReplicaPrograms, _carried_start, _loop, _next_or_none, _signature,
+                                                     _stackable)
 
 
 class CompiledSteps:
@@ -122,14 +122,8 @@ class CompiledSteps:
             with internals.optimizer_calls("replica_local"):  # the step counters per replica, as fit's fused step
                 return self._call_step(step, batch)
 
-        first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
-        # The outputs' structure, from a trace that is never run: the loop carries their sum.
-        spec = tf.function(one, autograph=False).get_concrete_function(first).structured_outputs
-        start = tf.nest.map_structure(_zeros_like_spec, spec)
-        invariants = tf.nest.map_structure(lambda s: s.shape, spec)
-
-        def body(index, total):
+        def body(index, total):  # the loop carries the outputs' sum (None before the first step, unrolled)
             outputs = one(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
-            return index + 1, tf.nest.map_structure(tf.add, total, outputs)
+            return index + 1, outputs if total is None else tf.nest.map_structure(tf.add, total, outputs)
 
-        return _loop(count, body, start, invariants, len(batches))
+        return _loop(count, body, lambda: _carried_start(one, stacked), len(batches))
