@@ -7,7 +7,7 @@ mode, against the same training on one device. Each mode runs in its own process
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, SLOW_PLAIN_AND_SPLIT, ModeScript
+from conftest import FUSED_CPU_EMULATION, ModeScript
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
@@ -41,7 +41,8 @@ def _max_difference(a, b):
     return max(float(np.max(np.abs(np.array(p) - np.array(q)))) for p, q in zip(a, b))
 
 
-@pytest.mark.parametrize("mode", SLOW_PLAIN_AND_SPLIT)
+@pytest.mark.slow  # fused mode in the default run: tests/training/test_exact_batches.py
+@pytest.mark.parametrize("mode", ["plain", "split", "fused"])
 @pytest.mark.parametrize("optimizer", ["clipnorm", "global_clipnorm", "clipvalue", "global_clipnorm_accumulate"])
 def test_clipping_acts_on_the_all_reduced_gradient(mode, optimizer):
     single, multi = _weights("single")[optimizer], _weights(mode)[optimizer]

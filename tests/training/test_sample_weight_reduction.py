@@ -6,7 +6,7 @@ device under a tf_nvlink strategy: each replica's loss is scaled by its share of
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, SLOW_PLAIN_AND_SPLIT, ModeScript
+from conftest import FUSED_CPU_EMULATION, ModeScript
 
 _SCRIPT = FUSED_CPU_EMULATION + r"""
 import json
@@ -29,7 +29,8 @@ print(json.dumps({"weights": [w.tolist() for w in model.get_weights()], "loss": 
 _run = ModeScript(_SCRIPT).result
 
 
-@pytest.mark.parametrize("mode", SLOW_PLAIN_AND_SPLIT)
+@pytest.mark.slow  # fused mode in the default run: tests/training/test_exact_batches.py
+@pytest.mark.parametrize("mode", ["plain", "split", "fused"])
 def test_mean_with_sample_weight_matches_one_device(mode):
     single, multi = _run("single"), _run(mode)
     for a, b in zip(single["weights"], multi["weights"]):

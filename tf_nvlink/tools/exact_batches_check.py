@@ -44,6 +44,8 @@ SCENARIOS: dict[str, dict] = {
     # Clipping acts on the all-reduced gradients, as on one device (the thresholds clip every step).
     "clipnorm": {"examples": 67, "batch_size": 32, "optimizer": {"clipnorm": 0.05}},
     "global_clipnorm": {"examples": 67, "batch_size": 32, "optimizer": {"global_clipnorm": 0.05}},
+    "global_clipnorm_accumulate_2": {"examples": 37, "batch_size": 8, "accumulation": 2,
+                                     "optimizer": {"global_clipnorm": 0.05}},
     "clipvalue": {"examples": 67, "batch_size": 32, "optimizer": {"clipvalue": 0.01}},
     "mean_with_sample_weight": {"examples": 67, "batch_size": 32, "sample_weight": True,
                                 "reduction": "mean_with_sample_weight"},
