@@ -8,13 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 from fake_nvml import FakeNvml, dgx1_v100_x8, h200_x2, no_driver, pcie_x4
 
-from conftest import ROOT, run_python
+from conftest import ROOT
 from tf_nvlink.distribute import multi_worker
 from tf_nvlink.machine import nvml
 from tf_nvlink.plan import policy
@@ -23,6 +22,7 @@ from tf_nvlink.distribute import rendezvous
 from tf_nvlink.distribute.multi_worker import MultiWorkerPlan, WorkerInfo
 from tf_nvlink.machine import cluster_config
 from tf_nvlink.machine.cluster_config import ClusterConfig, TfConfigError
+from tf_nvlink.machine.topology import Topology
 
 EXAMPLE = str(ROOT / "examples" / "multi_worker.py")
 TWO = ["localhost:2222", "localhost:2223"]
@@ -243,37 +243,30 @@ def test_peers_are_found_and_a_taken_own_port_is_an_error():
         rendezvous.wait_for_peers(cluster, timeout_s=0)
 
 
-def test_build_strategy_fails_fast_on_an_unreachable_peer_and_after_program_start():
-    """In a fresh process: a closed peer port gives PeerUnreachableError after the timeout; once TensorFlow has
-    run an op, building the strategy is refused with an explanation instead of TensorFlow's own error."""
+def test_build_strategy_fails_fast_on_an_unreachable_peer_and_after_program_start(tf, monkeypatch):
+    """A closed peer port gives PeerUnreachableError after the timeout; once TensorFlow has run an op, building the
+    strategy is refused with an explanation instead of TensorFlow's own error. In this process, whose runtime has
+    started: the first check is told it has not (a fresh process, where it has not, builds the strategy in the
+    training benchmark's `workers` test, tests/tools/test_training_bench.py), and no strategy is ever started."""
+    from tf_nvlink import internals
+
     own, closed = free_ports(2)
-    code = textwrap.dedent(f"""
-        import time
-        from tf_nvlink.distribute import multi_worker, rendezvous
-        from tf_nvlink.machine import cluster_config
-        from tf_nvlink.machine.topology import Topology
-        cluster = cluster_config.parse_tf_config('{tf_config(cluster={"worker": [f"localhost:{own}",
-                                                                               f"localhost:{closed}"]})}')
+    cluster = cluster_config.parse_tf_config(tf_config(cluster={"worker": [f"localhost:{own}",
+                                                                         f"localhost:{closed}"]}))
+    monkeypatch.setattr(multi_worker, "_start_strategy", lambda *args: pytest.fail("started a strategy"))
+    with monkeypatch.context() as fresh:
+        fresh.setattr(internals, "tensorflow_runtime_started", lambda: False)
         start = time.monotonic()
-        try:
+        with pytest.raises(rendezvous.PeerUnreachableError) as unreachable:
             multi_worker.build_strategy(Topology(), cluster, peer_timeout_s=1.0)
-        except rendezvous.PeerUnreachableError as error:
-            print("UNREACHABLE", round(time.monotonic() - start, 1), error)
-        import tensorflow as tf
-        tf.constant(1.0) + 1.0
-        try:
-            multi_worker.build_strategy(Topology(), cluster, peer_timeout_s=1.0)
-        except RuntimeError as error:
-            print("LATE", error)
-        """)
-    result = run_python(code, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    unreachable = re.search(r"^UNREACHABLE (\d+\.\d) (.*)$", result.stdout, re.M)
-    assert unreachable and 1.0 <= float(unreachable.group(1)) < 5.0, result.stdout
-    assert f"worker:1 at localhost:{closed} (connection refused" in unreachable.group(2)
-    assert "within 1 s" in unreachable.group(2)
-    assert re.search(r"^LATE MultiWorkerMirroredStrategy must be created at program start, before any TensorFlow "
-                     r"op runs", result.stdout, re.M), result.stdout
+        assert 1.0 <= time.monotonic() - start < 5.0
+    assert f"worker:1 at localhost:{closed} (connection refused" in str(unreachable.value)
+    assert "within 1 s" in str(unreachable.value)
+    tf.constant(1.0) + 1.0
+    assert internals.tensorflow_runtime_started()
+    with pytest.raises(RuntimeError, match=r"^MultiWorkerMirroredStrategy must be created at program start, before "
+                                           r"any TensorFlow op runs"):
+        multi_worker.build_strategy(Topology(), cluster, peer_timeout_s=1.0)
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------
