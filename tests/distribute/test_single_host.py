@@ -1,17 +1,18 @@
 """tf_nvlink.strategy() on logical CPU devices: real TensorFlow training, one strategy per process.
 
 The strategy here mirrors over conftest's N_LOGICAL_CPUS logical CPU devices (a GPU-less machine mirrors over
-its CPU devices); each test that needs another layout or another strategy runs in a subprocess.
+its CPU devices); the tests that need another layout or another strategy share one scenario process of 2 logical
+CPUs (tests/scenarios.py).
 """
 
 import json
-import textwrap
 
 import numpy as np
 import pytest
 
 import fake_nvml
-from conftest import N_LOGICAL_CPUS, ROOT, run_python
+import scenarios
+from conftest import N_LOGICAL_CPUS
 
 
 def _data(n=256, seed=0):
@@ -110,31 +111,6 @@ def equivalence_fit(jit):  # trains under the current strategy scope; returns th
     return {"loss": h.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
             "jit": bool(model.jit_compile)}
 """
-# Both modes under one tf_nvlink strategy of 2 logical CPUs, in one subprocess (two models, one strategy).
-_EQUIVALENCE_PLUGIN = r"""
-import json
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import tf_nvlink
-""" + _EQUIVALENCE_DATA_AND_FIT + r"""
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-runs = {}
-for jit in (False, True):
-    with strategy.scope():
-        runs["xla" if jit else "no_xla"] = equivalence_fit(jit)
-print("EQUIVALENCE " + json.dumps(runs))
-"""
-
-
-@pytest.fixture(scope="module")
-def two_replica_runs():
-    proc = run_python(_EQUIVALENCE_PLUGIN, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("EQUIVALENCE ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("EQUIVALENCE "):])
-
-
 def _single_device_run(tf, jit):
     """The reference, in this process: the default strategy (no mirroring) on one device."""
     namespace = {}
@@ -144,9 +120,10 @@ def _single_device_run(tf, jit):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["no_xla", "xla"])
-def test_two_replicas_match_single_device_training_with_the_same_global_batch(tf, two_replica_runs, jit):
+def test_two_replicas_match_single_device_training_with_the_same_global_batch(tf, jit):
+    """Both modes under one tf_nvlink strategy of 2 logical CPUs (the scenario process's), against one device here."""
     assert not tf.distribute.has_strategy()
-    single, plugin = _single_device_run(tf, jit), two_replica_runs["xla" if jit else "no_xla"]
+    single, plugin = _single_device_run(tf, jit), TWO_CPUS_SCENARIO.result("two replicas")["xla" if jit else "no_xla"]
     assert plugin["jit"] == jit
     assert plugin["loss"][-1] < plugin["loss"][0]
     np.testing.assert_allclose(plugin["loss"], single["loss"], rtol=1e-4)
@@ -174,68 +151,69 @@ def test_without_nccl_kernels_the_plan_falls_back_and_says_so(tf):
 
 # ---------------------------------------------------------------- what the strategy does on faked machines
 # single_host._build (and strategy()) on this GPU-less machine with a fake NVML topology and faked TensorFlow device
-# lists, all cases in one subprocess of 2 logical CPUs. Each case: the fake machine and its failing NVML calls, what
-# TensorFlow is made to see (tf_gpus, descs, no_cuda_build, no_nccl), the environment, the request.
-FAKED_MACHINES_SCRIPT = textwrap.dedent("""
-    import json, logging, os, sys
-    sys.path.insert(0, {tests!r})
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import pynvml, fake_nvml
-    from tensorflow.python.framework import kernels
-    from tf_nvlink import internals
-    from tf_nvlink.machine import nvml
-    from tf_nvlink.distribute import single_host
+# lists, each case in the scenario process of 2 logical CPUs (below). Each case: the fake machine and its failing
+# NVML calls, what TensorFlow is made to see (tf_gpus, descs, no_cuda_build, no_nccl), the environment, the request.
+_TWO_CPUS_PRELUDE = r"""
+import json, logging, os
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import pynvml, fake_nvml
+from tensorflow.python.framework import kernels
+import tf_nvlink
+from tf_nvlink import internals
+from tf_nvlink.machine import nvml
+from tf_nvlink.distribute import single_host
+""" + _EQUIVALENCE_DATA_AND_FIT + r"""
+records = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            records.append(record.getMessage())
+logging.getLogger("tf_nvlink").addHandler(Collect())
 
-    records = []
-    class Collect(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                records.append(record.getMessage())
-    logging.getLogger("tf_nvlink").addHandler(Collect())
-
-    real_list_physical, real_list_logical = tf.config.list_physical_devices, tf.config.list_logical_devices
-    real_kernels, real_cuda = kernels.get_registered_kernels_for_op, tf.test.is_built_with_cuda
-    real_descs = internals.tf_gpu_descs
-    out = {{}}
-    for name, case in json.loads({cases!r}).items():
-        records.clear()
-        for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TF_CONFIG"):
+def faked_machine(case):  # one faked machine: the plan, or the error, and the warnings
+    records.clear()
+    for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TF_CONFIG"):
+        os.environ.pop(key, None)
+    os.environ.update(case.get("env", {}))
+    machine = fake_nvml.mixed_t4_a100() if case["machine"] == "mixed" else fake_nvml.MACHINES[case["machine"]]()
+    machine.failing_calls = {call: getattr(pynvml, code) for call, code in case.get("failing", {}).items()}
+    topology = nvml.probe(fake_nvml.FakeNvml(machine))
+    tf_gpus = case.get("tf_gpus", 0)
+    real = (tf.config.list_physical_devices, tf.config.list_logical_devices, internals.tf_gpu_descs,
+            tf.test.is_built_with_cuda, kernels.get_registered_kernels_for_op)
+    tf.config.list_physical_devices = lambda kind=None: (
+        [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(tf_gpus)]
+        if kind == "GPU" else real[0](kind))
+    tf.config.list_logical_devices = lambda kind=None: real[1]("CPU")[:tf_gpus] if kind == "GPU" else real[1](kind)
+    if "descs" in case:
+        internals.tf_gpu_descs = lambda: [tuple(d) for d in case["descs"]]
+    if case.get("no_cuda_build"):
+        tf.test.is_built_with_cuda = lambda: False
+    if case.get("no_nccl"):
+        kernels.get_registered_kernels_for_op = lambda op: type("K", (), {"kernel": []})()
+    try:
+        if case.get("call") == "strategy":
+            kwargs = dict(case["kwargs"])
+            if kwargs.get("topology") == "FAKE":
+                kwargs["topology"] = topology
+            single_host.strategy(**kwargs)
+            result = {"error": None}
+        else:
+            built, plan = single_host._build(case.get("gpus", "all"), case.get("ops", "auto"), None,
+                                             case.get("devices"), topology, case.get("xla", "auto"))
+            result = {"plan": plan.to_dict(), "summary": plan.summary(), "replicas": built.num_replicas_in_sync}
+    except Exception as error:
+        result = {"error": type(error).__name__ + ": " + str(error)}
+    finally:
+        (tf.config.list_physical_devices, tf.config.list_logical_devices, internals.tf_gpu_descs,
+         tf.test.is_built_with_cuda, kernels.get_registered_kernels_for_op) = real
+        for key in case.get("env", {}):
             os.environ.pop(key, None)
-        os.environ.update(case.get("env", {{}}))
-        machine = (fake_nvml.mixed_t4_a100() if case["machine"] == "mixed"
-                   else fake_nvml.MACHINES[case["machine"]]())
-        machine.failing_calls = {{call: getattr(pynvml, code) for call, code in case.get("failing", {{}}).items()}}
-        topology = nvml.probe(fake_nvml.FakeNvml(machine))
-        tf_gpus = case.get("tf_gpus", 0)
-        tf.config.list_physical_devices = lambda kind=None: (
-            [tf.config.PhysicalDevice(f"/physical_device:GPU:{{i}}", "GPU") for i in range(tf_gpus)]
-            if kind == "GPU" else real_list_physical(kind))
-        tf.config.list_logical_devices = lambda kind=None: (
-            real_list_logical("CPU")[:tf_gpus] if kind == "GPU" else real_list_logical(kind))
-        internals.tf_gpu_descs = (lambda: [tuple(d) for d in case["descs"]]) if "descs" in case else real_descs
-        tf.test.is_built_with_cuda = (lambda: False) if case.get("no_cuda_build") else real_cuda
-        kernels.get_registered_kernels_for_op = (
-            (lambda op: type("K", (), {{"kernel": []}})()) if case.get("no_nccl") else real_kernels)
-        try:
-            if case.get("call") == "strategy":
-                kwargs = dict(case["kwargs"])
-                if kwargs.get("topology") == "FAKE":
-                    kwargs["topology"] = topology
-                single_host.strategy(**kwargs)
-                result = {{"error": None}}
-            else:
-                built, plan = single_host._build(case.get("gpus", "all"), case.get("ops", "auto"), None,
-                                                case.get("devices"), topology, case.get("xla", "auto"))
-                result = {{"plan": plan.to_dict(), "summary": plan.summary(),
-                           "replicas": built.num_replicas_in_sync}}
-        except Exception as error:
-            result = {{"error": type(error).__name__ + ": " + str(error)}}
-        result["warnings"] = list(records)
-        out[name] = result
-    print("FAKED " + json.dumps(out))
-    """)
+    result["warnings"] = list(records)
+    return result
+"""
 # The degradations: one warning naming the cause and the fallback.
 TWO_CPUS = ["/cpu:0", "/cpu:1"]
 DEGRADE_CASES = {
@@ -283,14 +261,22 @@ REQUEST_CASES = {  # the strategy's requests, honoured or refused
 FAKED_MACHINE_CASES = {**DEGRADE_CASES, **REQUEST_CASES}
 
 
+# One process of 2 logical CPUs: first the two-replica training (tf_nvlink.strategy over both CPUs, plain and XLA),
+# then every faked machine (single_host._build, or strategy() refusing its arguments before the strategy check).
+TWO_CPUS_SCENARIO = scenarios.Scenario("single_host: 2 CPUs", _TWO_CPUS_PRELUDE, {
+    "two replicas": """
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+result = {}
+for jit in (False, True):
+    with strategy.scope():
+        result["xla" if jit else "no_xla"] = equivalence_fit(jit)
+""", **{name: f"result = faked_machine(json.loads({json.dumps(case)!r}))"
+        for name, case in FAKED_MACHINE_CASES.items()}})
+
+
 @pytest.fixture(scope="module")
-def faked_machines(tmp_path_factory):
-    code = FAKED_MACHINES_SCRIPT.format(tests=str(ROOT / "tests"), cases=json.dumps(FAKED_MACHINE_CASES))
-    env = {"TF_NVLINK_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}  # no stored tune winner
-    result = run_python(code, env=env, timeout=180)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("FAKED ")]
-    assert result.returncode == 0 and lines, result.stdout + result.stderr[-3000:]
-    return json.loads(lines[-1][len("FAKED "):])
+def faked_machines():
+    return {name: TWO_CPUS_SCENARIO.result(name) for name in FAKED_MACHINE_CASES}
 
 
 def _one_warning(result, *needles):
