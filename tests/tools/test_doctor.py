@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+import scenarios
 from tests.conftest import run_python
 from tf_nvlink.tools.costmodel import model as costmodel
 from tf_nvlink.tools.doctor import outputs
@@ -291,63 +293,44 @@ def test_bad_arguments_name_the_problem():
                           step_ms=1.0, steps=0, calls=1)
 
 
-CALLBACK_ON_CPU = r'''
-import json, logging, os, sys, time
+# The Keras callback in real fits, in one scenario process of 2 logical CPUs: first one replica without a strategy
+# (the CPU trace has no GPU plane), then a tf_nvlink strategy over both CPUs with a fake 2x H200 NVML.
+_TWO_CPUS_PRELUDE = r"""
+import contextlib, io, json, logging, os, tempfile, time
 import numpy as np, keras, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import fake_nvml
 import tf_nvlink
-out = sys.argv[1]
+from tf_nvlink.tools.doctor import callback, diagnosis
+"""
+CALLBACK_ON_CPU = r"""
+out = tempfile.mkdtemp(prefix="tf_nvlink_doctor_")
 records = []
 class Catch(logging.Handler):
     def emit(self, record):
         records.append(record.getMessage())
-logging.getLogger("tf_nvlink").addHandler(Catch())
+catch = Catch()
+logging.getLogger("tf_nvlink").addHandler(catch)
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
 model.compile(optimizer="sgd", loss="mse")
 x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32"); y = x.sum(axis=1, keepdims=True)
 doctor = tf_nvlink.StepDoctor(warmup_steps=10, window_steps=4, output_dir=out, global_batch=8)
 tensorboard = keras.callbacks.TensorBoard(log_dir=os.path.join(out, "tb"))
 history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[doctor, tensorboard])
+logging.getLogger("tf_nvlink").removeHandler(catch)
 losses = history.history["loss"]
-print(json.dumps({"records": records, "unavailable": doctor.unavailable, "report": doctor.report,
-                  "history_doctor": getattr(history, "step_doctor", None),
-                  "losses": losses, "files": doctor.files, "overhead_s": doctor.overhead_s,
-                  "iterations": int(model.optimizer.iterations.numpy())}))
-'''
-
-
-def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(tmp_path):
-    result = run_python([ "-c", CALLBACK_ON_CPU, str(tmp_path)], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(result.stdout.strip().splitlines()[-1])
-    doctor_lines = [r for r in data["records"] if r.startswith("StepDoctor")]
-    assert len(doctor_lines) == 1 and "no GPU activity" in doctor_lines[0], data["records"]
-    assert data["iterations"] == 24 and len(data["losses"]) == 3  # all 3 epochs of 8 steps trained
-    assert data["losses"][-1] < data["losses"][0]
-    assert data["unavailable"] in doctor_lines[0]
-    # 8 steps per epoch: the window (steps 10..13) lies inside the second epoch
-    assert data["report"]["window"] == {"epoch": 1, "steps": 4, "calls": 4, "step_ms": data["report"]["window"][
-        "step_ms"]}
-    assert json.loads(Path(data["files"]["json"]).read_text())["unavailable"] == data["unavailable"]
-    assert data["history_doctor"] == data["report"]
-    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
-    assert data["report"]["nvlink_bytes_per_step"].startswith("unavailable: one replica")
-    assert data["overhead_s"] < 30
-
-
-DOCTOR_ON_TWO_CPUS = r'''
-import json, sys
-import numpy as np, keras, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-sys.path.insert(0, sys.argv[3])
-import fake_nvml
-import tf_nvlink
-from tf_nvlink.tools.doctor import callback, diagnosis
-out, fixture = sys.argv[1], sys.argv[2]
+result = {"out": out, "records": records, "unavailable": doctor.unavailable, "report": doctor.report,
+          "history_doctor": getattr(history, "step_doctor", None),
+          "losses": losses, "files": doctor.files, "overhead_s": doctor.overhead_s,
+          "iterations": int(model.optimizer.iterations.numpy())}
+"""
+DOCTOR_ON_TWO_CPUS = r"""
+out = tempfile.mkdtemp(prefix="tf_nvlink_doctor_")
 machine = fake_nvml.h200_x2()
 real_diagnose = diagnosis.diagnose_trace
 def diagnose_the_gpu_trace(profile_dir, **kwargs):  # the CPU trace has no GPU plane: read the 1x H200 one instead
-    return real_diagnose(fixture, **kwargs)
+    return real_diagnose(FIXTURE_PROFILE, **kwargs)
 callback.diagnose_trace = diagnose_the_gpu_trace
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 with strategy.scope():
@@ -359,23 +342,51 @@ doctor = tf_nvlink.StepDoctor(warmup_steps=2, window_steps=3, output_dir=out, gl
 tensorboard = keras.callbacks.TensorBoard(log_dir=out + "/tb")
 traffic = keras.callbacks.LambdaCallback(  # what an all-reduce would move over NVLink every step
     on_train_batch_begin=lambda batch, logs: fake_nvml.transfer(machine, 0, 1, 3 << 20))
-model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[traffic, doctor, tensorboard])
-print(json.dumps({"unavailable": doctor.unavailable, "files": doctor.files, "report": doctor.report}))
-'''
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[traffic, doctor, tensorboard])
+callback.diagnose_trace = real_diagnose
+result = {"out": out, "unavailable": doctor.unavailable, "files": doctor.files, "report": doctor.report,
+          "stdout": printed.getvalue()}
+""".replace("FIXTURE_PROFILE", repr(str(FIXTURE / "profile")))
+TWO_CPUS = scenarios.Scenario("doctor: 2 CPUs", _TWO_CPUS_PRELUDE, {
+    "callback on cpu": CALLBACK_ON_CPU,
+    **({"two replicas": DOCTOR_ON_TWO_CPUS} if (FIXTURE / "observation.json").exists() else {})})
+
+
+def scenario_result(case, request):
+    """The case's result; the folder it wrote goes when the test ends."""
+    data = TWO_CPUS.result(case)
+    request.addfinalizer(lambda: shutil.rmtree(data["out"], ignore_errors=True))
+    return data
+
+
+def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(request):
+    data = scenario_result("callback on cpu", request)
+    doctor_lines = [r for r in data["records"] if r.startswith("StepDoctor")]
+    assert len(doctor_lines) == 1 and "no GPU activity" in doctor_lines[0], data["records"]
+    assert data["iterations"] == 24 and len(data["losses"]) == 3  # all 3 epochs of 8 steps trained
+    assert data["losses"][-1] < data["losses"][0]
+    assert data["unavailable"] in doctor_lines[0]
+    # 8 steps per epoch: the window (steps 10..13) lies inside the second epoch
+    assert data["report"]["window"] == {"epoch": 1, "steps": 4, "calls": 4, "step_ms": data["report"]["window"][
+        "step_ms"]}
+    assert json.loads(Path(data["files"]["json"]).read_text())["unavailable"] == data["unavailable"]
+    assert data["history_doctor"] == data["report"]
+    assert list((Path(data["out"]) / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert data["report"]["nvlink_bytes_per_step"].startswith("unavailable: one replica")
+    assert data["overhead_s"] < 30
 
 
 @pytest.mark.skipif(not (FIXTURE / "observation.json").exists(), reason=f"no GPU trace fixture at {FIXTURE}")
-def test_doctor_on_two_replicas_reads_the_counters_and_writes_every_output(tmp_path):
+def test_doctor_on_two_replicas_reads_the_counters_and_writes_every_output(request):
     """Two CPU replicas with a fake 2x H200 NVML: the window reads the NVLink counters through NvLinkCounterReader,
     and with a GPU trace (the 1x H200 fixture stands in for the CPU trace) the doctor prints its table and writes
     the JSON, the chart and TensorBoard scalars."""
-    result = run_python(["-c", DOCTOR_ON_TWO_CPUS, str(tmp_path), str(FIXTURE / "profile"),
-                         str(Path(__file__).resolve().parents[1])], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(result.stdout.strip().splitlines()[-1])
+    data = scenario_result("two replicas", request)
     assert data["unavailable"] is None and data["report"]["verdict"]["kind"] in ("host-bound", "input-bound")
     assert data["report"]["context"]["replicas"] == 2  # this model's float32 input: the copy's advice is uint8
-    assert "step doctor (ms/step)" in result.stdout  # the table
+    assert "step doctor (ms/step)" in data["stdout"]  # the table
     assert data["report"]["nvlink_bytes_per_step"] > 0  # the counters moved during the window
     assert set(data["files"]) >= {"json", "tensorboard"}
     assert list(Path(data["files"]["tensorboard"]).glob("events.out.tfevents.*"))
