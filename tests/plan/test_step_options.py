@@ -8,6 +8,7 @@ import os
 import pytest
 
 import fake_nvml
+import scenarios
 from conftest import run_python
 from fake_nvml import FakeNvml
 from tf_nvlink.plan import step_options
@@ -146,22 +147,74 @@ def test_xla_flags_set_before_tensorflow_is_asked_and_taken_back_on_failure(tf, 
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
 
 
-STRATEGY_SCRIPT = """
-import json, os, sys
+# Real fits on a tf_nvlink strategy of 2 logical CPUs, in scenario processes (one strategy per process: each
+# scenario's prelude is _TWO_CPUS_PRELUDE after its STRATEGY_KWARGS line).
+_TWO_CPUS_PRELUDE = r"""
+import json, os
 import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, tf_nvlink
-s = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], xla_flags=json.loads(sys.argv[1]))
-with s.scope():
-    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    m.compile(optimizer="sgd", loss="mse", jit_compile=True)
-m.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)  # XLA parses XLA_FLAGS
-p = tf_nvlink.current_plan()
-print(json.dumps({"env": os.environ.get("XLA_FLAGS"), "flags": p.xla_flags, "kept": p.xla_flags_kept}))
+
+
+def strategy():  # this process's one strategy (the same request every time)
+    return tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], **STRATEGY_KWARGS)
+
+
+def xla_flags_fit():  # a jit fit right after the strategy is built: XLA parses XLA_FLAGS at its first compile
+    s = strategy()
+    with s.scope():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        m.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    m.fit(np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)
+    p = tf_nvlink.current_plan()
+    return {"env": os.environ.get("XLA_FLAGS"), "flags": list(p.xla_flags), "kept": list(p.xla_flags_kept)}
+
+
+reduced = []  # (dtype, shape) of every tensor all-reduced across the replicas
+original = tf.distribute.ReplicaContext.all_reduce
+def spy(self, op, value, options=None):
+    if self.strategy.num_replicas_in_sync > 1:  # not the one-device model's no-op all-reduce
+        reduced.extend((t.dtype.name, list(t.shape)) for t in tf.nest.flatten(value))
+    return original(self, op, value, options)
+tf.distribute.ReplicaContext.all_reduce = spy
+
+
+def against_one_device(jit):  # 12 SGD steps on one device, then on the strategy's 2 replicas, same global batches
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 20)).astype("float32"); y = rng.integers(0, 3, 256).astype("int32")
+    def build():
+        keras.utils.set_random_seed(7)
+        m = keras.Sequential([keras.Input((20,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+        m.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=jit,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+    one = build(); one.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)  # one device, global batch
+    s = strategy()
+    with s.scope():
+        two = build()
+    reduced.clear()
+    two.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one.get_weights(), two.get_weights()))
+    return {"diff": diff, "kernel_dtypes": sorted({d for d, shape in reduced if shape == [20, 16]})}
 """
 
-import dataclasses
+
+def _two_cpus(name, strategy_kwargs, cases, **options):
+    return scenarios.Scenario(name, f"STRATEGY_KWARGS = {strategy_kwargs!r}\n" + _TWO_CPUS_PRELUDE, cases, **options)
+
+
+# float32 all-reduce (the default) with the flag list that stands in for a 2-GPU fused plan's: XLA_FLAGS first,
+# then the float32 half of the bfloat16 comparison.
+FLOAT32 = _two_cpus("step_options: float32, xla_flags", {"xla_flags": [LHS]},
+                    {"xla flags": "result = xla_flags_fit()", "nojit": "result = against_one_device(False)"})
+BFLOAT16 = _two_cpus("step_options: bfloat16", {"allreduce_dtype": "bfloat16"},
+                     {"nojit": "result = against_one_device(False)"})
+USER_FLAG = _two_cpus("step_options: the user's XLA flag", {"xla_flags": [LHS]}, {"xla flags": "result = xla_flags_fit()"},
+                      env={"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}, slow=True)
+SPLIT_XLA = {dtype: _two_cpus(f"step_options: {dtype}, split XLA", {"allreduce_dtype": dtype},
+                              {"split_xla": "result = against_one_device(True)"}, slow=True)
+             for dtype in ("float32", "bfloat16")}
 
 
 @pytest.mark.parametrize("user, expected_env, expected_kept", [
@@ -172,55 +225,19 @@ import dataclasses
 def test_strategy_sets_xla_flags_before_xla_compiles(user, expected_env, expected_kept):
     """On CPUs "auto" adds nothing, so the explicit list stands in for a 2-GPU fused plan; XLA (CPU) accepts the
     flag and the jit fit trains (an unknown flag name would abort the process)."""
-    env = {"XLA_FLAGS": user} if user else {}
-    proc = run_python(["-c", STRATEGY_SCRIPT, json.dumps([LHS])], env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    record = (USER_FLAG if user else FLOAT32).result("xla flags")
     assert record["env"] == expected_env and record["kept"] == expected_kept
     assert record["flags"] == ([] if user else [LHS])
-
-
-BF16_SCRIPT = """
-import json, sys
-import numpy as np, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-dtype, jit = sys.argv[1], sys.argv[2] == "1"
-reduced = []  # (dtype, shape) of every tensor all-reduced across the replicas
-original = tf.distribute.ReplicaContext.all_reduce
-def spy(self, op, value, options=None):
-    if self.strategy.num_replicas_in_sync > 1:  # not the one-device model's no-op all-reduce
-        reduced.extend((t.dtype.name, list(t.shape)) for t in tf.nest.flatten(value))
-    return original(self, op, value, options)
-tf.distribute.ReplicaContext.all_reduce = spy
-rng = np.random.default_rng(0)
-x = rng.normal(size=(256, 20)).astype("float32"); y = rng.integers(0, 3, 256).astype("int32")
-def build():
-    keras.utils.set_random_seed(7)
-    m = keras.Sequential([keras.Input((20,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
-    m.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=jit,
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return m
-one = build(); one.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)  # one device, global batch
-s = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], allreduce_dtype=dtype)
-with s.scope():
-    two = build()
-two.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
-diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one.get_weights(), two.get_weights()))
-print(json.dumps({"diff": diff, "kernel_dtypes": sorted({d for d, shape in reduced if shape == [20, 16]})}))
-"""
 
 
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["nojit", "split_xla"])
 def test_bfloat16_allreduce_trains_close_to_float32_and_really_reduces_bfloat16(jit):
     """2 CPU replicas, 12 SGD steps against one device on the same global batches. float32: equal to rounding
     (< 1e-6); bfloat16 (8-bit mantissa, ~0.4% per sum): within 2e-3 of it, and visibly not float32 (> 1e-5)."""
-    results = {}
-    for dtype in ("float32", "bfloat16"):
-        proc = run_python(["-c", BF16_SCRIPT, dtype, "1" if jit else "0"], timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if jit:
+        results = {dtype: scenario.result("split_xla") for dtype, scenario in SPLIT_XLA.items()}
+    else:
+        results = {"float32": FLOAT32.result("nojit"), "bfloat16": BFLOAT16.result("nojit")}
     assert results["float32"]["kernel_dtypes"] == ["float32"] and results["float32"]["diff"] < 1e-6
     assert results["bfloat16"]["kernel_dtypes"] == ["bfloat16"]
     assert 1e-5 < results["bfloat16"]["diff"] < 2e-3
