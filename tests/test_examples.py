@@ -73,7 +73,15 @@ def test_mnist_mlp_two_replicas_split_a_global_batch_that_is_not_a_multiple(tmp_
     assert re.search(r"^test accuracy: \d\.\d{4}$", result.stdout, re.M), result.stdout
 
 
-def test_mnist_mlp_bad_strategy_flags_are_usage_errors(tmp_path):
+def test_mnist_mlp_bad_strategy_flags_are_usage_errors(flag_results):
+    """absl's app.run(main) as the script runs it, in the flags process: a usage error, no traceback, no training."""
+    code, stderr = flag_results[0]["app.run: num_packs with collective"]
+    assert code not in (0, None)
+    assert "num_packs" in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow  # test_mnist_mlp_bad_strategy_flags_are_usage_errors checks it through app.run in the flags process
+def test_mnist_mlp_bad_strategy_flags_are_usage_errors_in_a_real_run(tmp_path):
     result = run_python([MNIST_MLP, "--cross_device_ops", "collective", "--num_packs", "2", "--dataset", "digits",
                          "--model_dir", str(tmp_path)], timeout=120)
     assert result.returncode != 0
@@ -133,7 +141,8 @@ def test_custom_loop_trains_with_xla_on_two_replicas_checkpoints_and_resumes(tmp
 
 # ---------------------------------------------------------------- the example's flags, each bad one a usage error
 # The example's flags: absl's own checks (bounds, enums) and main()'s (gpus, num_packs, model_dir, batch split).
-# One subprocess imports the example once and tries every case; main() is stopped before it trains.
+# One subprocess imports the example once and tries every case; main() is stopped before it trains. Last, one bad
+# combination goes through absl's app.run(main), as `python mnist_mlp.py` runs it: its exit code and stderr.
 FLAG_CASES = {  # id: (argv, needles)
     "epochs -1": (["--epochs=-1"], ["--epochs=-1", "positive integer"]),
     "epochs 0": (["--epochs=0"], ["--epochs=0", "positive integer"]),
@@ -153,7 +162,7 @@ FLAG_CASES = {  # id: (argv, needles)
     "positional": (["extra"], ["Unexpected arguments", "extra"]),
 }
 FLAGS_SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import contextlib, io, json, os, sys
     sys.path.insert(0, {examples!r})
     import mnist_mlp
     from absl import app, flags
@@ -178,6 +187,17 @@ FLAGS_SCRIPT = textwrap.dedent("""
             out[name] = "accepted: reached training"
         except (flags.Error, app.UsageError) as error:
             out[name] = type(error).__name__ + ": " + str(error)
+    single_host._CURRENT.clear()
+    flags.FLAGS.unparse_flags()
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            app.run(mnist_mlp.main, argv=["mnist_mlp.py", "--dataset=digits", "--model_dir={model_dir}",
+                                          "--cross_device_ops=collective", "--num_packs=2"])
+            code = 0
+        except SystemExit as stopped:  # a UsageError: absl printed the usage and the error, then exited
+            code = stopped.code
+    out["app.run: num_packs with collective"] = [code, stderr.getvalue()]
     out["replica_split 7 over 2"] = mnist_mlp.replica_split(7, 2)
     out["replica_split 64 over 2"] = mnist_mlp.replica_split(64, 2)
     print("FLAGS " + json.dumps(out))
