@@ -4,7 +4,7 @@ Two logical CPU replicas, and shards that differ on purpose: in every global bat
 centred at 0 and replica 1's at 3 with twice the spread, so replicas that kept their own statistics would end
 far apart (the test with the switch off shows by how much). The first layer is a BatchNormalization on the raw
 input, so its moving statistics can be computed in NumPy from the data alone and compared exactly.
-Each scenario runs in its own process (one strategy per process).
+One strategy per process: the cases of each strategy run in one scenario process (tests/scenarios.py).
 """
 
 import json
@@ -12,17 +12,16 @@ import json
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, run_python
+import scenarios
+from conftest import FUSED_CPU_EMULATION
 
-_SCRIPT = FUSED_CPU_EMULATION + r"""
-import json, os, sys, tempfile
-import numpy as np, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
+_PRELUDE = FUSED_CPU_EMULATION + r"""
+import os, tempfile
+import numpy as np
+strategy = two_cpu_strategy(MODE)
+import tensorflow as tf, keras, tf_nvlink
 from tf_nvlink.training import replica_sync
 from tf_nvlink.training import install
-mode, synchronized = sys.argv[1], sys.argv[2] == "synchronized"
 N, BATCH, EPOCHS, MOMENTUM = 256, 64, 2, 0.9
 rng = np.random.default_rng(0)
 x = rng.normal(size=(N, 6, 6, 2)).astype("float32")
@@ -34,41 +33,95 @@ original_init = install.PerReplicaXlaStep.__init__
 def spy(self, *args, **kwargs):
     original_init(self, *args, **kwargs); made.append(self)
 install.PerReplicaXlaStep.__init__ = spy
-if mode == "fused":  # fused mode's logic without XLA (conftest.FUSED_CPU_EMULATION)
-    strategy = fused_strategy_emulated_on_cpu()
-else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([
-        keras.Input((6, 6, 2)), keras.layers.BatchNormalization(momentum=MOMENTUM, synchronized=synchronized),
-        keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(synchronized=synchronized), keras.layers.ReLU(),
-        keras.layers.Dropout(0.2), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"], jit_compile=mode in ("split", "fused"),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-in_strategy = model.evaluate(x, y, batch_size=BATCH, verbose=0)
-predictions = model.predict(x, batch_size=BATCH, verbose=0)
-path = os.path.join(tempfile.mkdtemp(), "model.keras")
-model.save(path)
-with tf.device("/cpu:0"):
-    reloaded = keras.models.load_model(path)
-    on_one_device = reloaded.evaluate(x, y, batch_size=BATCH, verbose=0)
-    reloaded_predictions = reloaded.predict(x, batch_size=BATCH, verbose=0)
-first_bn = model.layers[0]
-print(json.dumps({
-    "diff": replica_sync.replicas_max_difference(model),
-    "moving_mean": first_bn.moving_mean.numpy().tolist(), "moving_variance": first_bn.moving_variance.numpy().tolist(),
-    "evaluate": in_strategy, "reloaded_evaluate": on_one_device,
-    "predict_diff": float(np.max(np.abs(predictions - reloaded_predictions))),
-    "jit": bool(model.jit_compile),
-    "synced_inside": [type(s.step_function).__name__ == "SyncedStep" for s in made if s.kind == "train"]}))
+
+def fit_and_check(jit, synchronized=False):
+    made.clear()
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        # named as in a fresh process, whatever this process built before
+        model = keras.Sequential([
+            keras.Input((6, 6, 2)),
+            keras.layers.BatchNormalization(momentum=MOMENTUM, synchronized=synchronized, name="batch_normalization"),
+            keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(synchronized=synchronized,
+                                                                       name="batch_normalization_1"),
+            keras.layers.ReLU(), keras.layers.Dropout(0.2), keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(3)], name="sequential")
+        model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"], jit_compile=jit,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    in_strategy = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    model.save(path)
+    with tf.device("/cpu:0"):
+        reloaded = keras.models.load_model(path)
+        on_one_device = reloaded.evaluate(x, y, batch_size=BATCH, verbose=0)
+        reloaded_predictions = reloaded.predict(x, batch_size=BATCH, verbose=0)
+    first_bn = model.layers[0]
+    return {
+        "diff": replica_sync.replicas_max_difference(model),
+        "moving_mean": first_bn.moving_mean.numpy().tolist(),
+        "moving_variance": first_bn.moving_variance.numpy().tolist(),
+        "evaluate": in_strategy, "reloaded_evaluate": on_one_device,
+        "predict_diff": float(np.max(np.abs(predictions - reloaded_predictions))),
+        "jit": bool(model.jit_compile),
+        "synced_inside": [type(s.step_function).__name__ == "SyncedStep" for s in made if s.kind == "train"]}
 """
-
-
-def _run(mode, synchronized=False, env=None):
-    proc = run_python(["-c", _SCRIPT, mode, "synchronized" if synchronized else "local"], env=env, timeout=300)
-    return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
+_SWITCH_OFF = """
+os.environ[replica_sync.ENV_SWITCH] = "0"  # read when Keras builds the train function
+try:
+    result = fit_and_check(jit=False)
+finally:
+    del os.environ[replica_sync.ENV_SWITCH]
+"""
+_SYNC_BN_REFUSED = """
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+"""
+_CUSTOM_LOOP = r"""
+x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32"); x[32:] += 4.0
+with strategy.scope():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(64))
+result = {}
+for sync in (False, True):
+    @tf.function
+    def train(batch):
+        def step_fn(inputs):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(inputs, training=True)))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            if sync:
+                tf_nvlink.sync_non_trainable(model)
+        strategy.run(step_fn, args=(batch,))
+    for batch in dataset:
+        train(batch)
+    result[str(sync)] = max(replica_sync.replicas_max_difference(model).values())
+wrapped = tf.function(lambda batch: strategy.run(tf_nvlink.synced_step(model, lambda b: model(b, training=True)),
+                                                 args=(batch,)))
+x[:32] -= 7.0
+for batch in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(64)):
+    wrapped(batch)
+result["synced_step"] = max(replica_sync.replicas_max_difference(model).values())
+"""
+# Started in the background when the tests are collected (tests/scenarios.py), one process per strategy.
+FUSED = scenarios.Scenario("replica_sync: fused (emulated) on 2 CPUs", _PRELUDE.replace("MODE", '"fused"'), {
+    "fit": "result = fit_and_check(jit=True)"})
+SPLIT = scenarios.Scenario("replica_sync: tf_nvlink on 2 CPUs", _PRELUDE.replace("MODE", '"split"'), {
+    "custom loop": _CUSTOM_LOOP,
+    "synchronized BatchNorm in split mode": _SYNC_BN_REFUSED,
+})
+SPLIT_SLOW = scenarios.Scenario("replica_sync: tf_nvlink on 2 CPUs (slow tier)", _PRELUDE.replace("MODE", '"split"'), {
+    "plain": "result = fit_and_check(jit=False)",
+    "split": "result = fit_and_check(jit=True)",
+    "plain, synchronized": "result = fit_and_check(jit=False, synchronized=True)",
+    "plain, switch off": _SWITCH_OFF,
+}, slow=True)
 
 
 def _expected_first_bn(synchronized, n=256, batch=64, epochs=2, momentum=0.9):
@@ -105,8 +158,7 @@ def _check_agreement(out, synchronized=False):
 @pytest.mark.parametrize("mode", [pytest.param("plain", marks=pytest.mark.slow), pytest.param("split", marks=pytest.mark.slow),
                                   "fused"])
 def test_replicas_agree_on_batch_norm_statistics_after_fit(mode):
-    proc, out = _run(mode)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = FUSED.result("fit") if mode == "fused" else SPLIT_SLOW.result(mode)
     assert out["jit"] == (mode != "plain")
     # fused: the averaging is part of the step each replica compiles (inside XLA on GPUs); split: after it
     assert out["synced_inside"] == ([True] if mode == "fused" else [False] if mode == "split" else [])
@@ -116,64 +168,28 @@ def test_replicas_agree_on_batch_norm_statistics_after_fit(mode):
 @pytest.mark.slow  # the control run: the synchronized runs above are the behaviour
 def test_without_the_sync_replicas_drift_apart():
     """The switch off (TF_NVLINK_SYNC_NON_TRAINABLE=0) gives stock MirroredStrategy's behaviour on these shards."""
-    proc, out = _run("plain", env={"TF_NVLINK_SYNC_NON_TRAINABLE": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = SPLIT_SLOW.result("plain, switch off")
     assert out["diff"]["sequential/batch_normalization/moving_mean"] > 0.5
     assert out["diff"]["sequential/batch_normalization/moving_variance"] > 0.5
 
 
 @pytest.mark.slow  # a faster test covers the substance; CI runs the slow tier
 def test_synchronized_batch_norm_works_without_xla_and_uses_global_batch_statistics():
-    proc, out = _run("plain", synchronized=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_agreement(out, synchronized=True)
+    _check_agreement(SPLIT_SLOW.result("plain, synchronized"), synchronized=True)
 
 
 def test_synchronized_batch_norm_in_split_xla_on_cpus_is_refused_with_the_alternatives():
-    proc, _ = _run("split", synchronized=True)
-    assert proc.returncode != 0
-    assert "SynchronizedBatchNormError" in proc.stderr and "jit_compile=False" in proc.stderr
+    """SyncBatchNorm all-reduces its batch statistics with a merge_call on CPU replicas, which XLA cannot hold:
+    tf_nvlink names the layer and the ways out before training instead of TensorFlow's 'merge_call called while
+    defining' (`replicas.SynchronizedBatchNormError`; `CrossReplicaCallInXlaError` catches other such calls)."""
+    error = SPLIT.error("synchronized BatchNorm in split mode")
+    assert "SynchronizedBatchNormError" in error, error[-3000:]  # tf_nvlink.training.replica_sync checks it first
+    assert "BatchNormalization(synchronized=True)" in error and "jit_compile=False" in error
+    assert "synchronized=False" in error
 
 
 def test_custom_loop_sync_non_trainable():
-    proc = run_python(r"""
-import json
-import numpy as np, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-from tf_nvlink.training import replica_sync
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32"); x[32:] += 4.0
-with strategy.scope():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
-    optimizer = keras.optimizers.SGD(0.01)
-    optimizer.build(model.trainable_variables)
-dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(64))
-results = {}
-for sync in (False, True):
-    @tf.function
-    def train(batch):
-        def step_fn(inputs):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(inputs, training=True)))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            if sync:
-                tf_nvlink.sync_non_trainable(model)
-        strategy.run(step_fn, args=(batch,))
-    for batch in dataset:
-        train(batch)
-    results[str(sync)] = max(replica_sync.replicas_max_difference(model).values())
-wrapped = tf.function(lambda batch: strategy.run(tf_nvlink.synced_step(model, lambda b: model(b, training=True)),
-                                                 args=(batch,)))
-x[:32] -= 7.0
-for batch in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(64)):
-    wrapped(batch)
-results["synced_step"] = max(replica_sync.replicas_max_difference(model).values())
-print(json.dumps(results))
-""", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = SPLIT.result("custom loop")
     assert out["False"] > 0.02  # one step, momentum 0.99: 0.01 x 4.0 apart; the first pass drifts; the second pass's sync brings them back together
     assert out["True"] < 1e-6 and out["synced_step"] < 1e-6
 
