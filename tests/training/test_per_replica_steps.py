@@ -3,43 +3,40 @@
 The shape of TensorFlow's guide "Custom training with tf.distribute.Strategy": a `tf.function(jit_compile=True)`
 step that calls `optimizer.apply_gradients`, passed to `strategy.run` inside a plain `tf.function` loop (or
 eagerly). On 2 logical CPUs it runs in split mode (gradients in XLA, the update outside); fused mode's logic is
-checked without XLA (conftest.FUSED_CPU_EMULATION, as for fit: XLA on CPU cannot compile collectives). Each run
-is its own process: one strategy per process.
+checked without XLA (conftest.FUSED_CPU_EMULATION, as for fit: XLA on CPU cannot compile collectives). One
+strategy per process: the fused cases run in one scenario process (tests/scenarios.py), which also trains the
+single-device references (no strategy scope: TensorFlow's default strategy); the split cases in another.
 """
 
-import json
 import re
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import FUSED_CPU_EMULATION, run_python
+import scenarios
+from conftest import FUSED_CPU_EMULATION
 
-_LOOP = FUSED_CPU_EMULATION + r"""
-import json, re, sys
+# What every scenario process defines, run from a file: AutoGraph converts a tf.function's loops only when it can
+# read their source (code given to exec as a string it cannot; a `for` over a dataset then never finishes tracing).
+_HELPERS = r'''
+import re
 import numpy as np, tensorflow as tf
-mode, runs = sys.argv[1], sys.argv[2:]
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-if mode == "fused":  # fused mode without XLA (conftest.FUSED_CPU_EMULATION)
-    strategy = fused_strategy_emulated_on_cpu()
-elif mode == "single":
-    strategy = tf.distribute.get_strategy()
-else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+import keras
+
+DEFAULT = tf.distribute.get_strategy()  # outside any scope: one device, the single-device reference
 rng = np.random.default_rng(0)
 x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
 GLOBAL = 32
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
+
 def copies(variable):
     value = getattr(variable, "value", variable)
     return [v.numpy().tolist() for v in getattr(value, "values", [value])]
 
-def train(precision, eager):
+
+def train_loop(strategy, precision, eager=False):
+    """The guide's custom loop, 2 epochs (mixed: 3); its losses, the optimizer's counters and the weights."""
     keras.mixed_precision.set_global_policy("mixed_float16" if precision == "mixed" else "float32")
     inputs = x.copy()
     if precision == "mixed":  # in the last batch, on replica 1: float16 gradients overflow at every scale used
@@ -69,51 +66,131 @@ def train(precision, eager):
             total += strategy.reduce("SUM", strategy.run(step, args=(xb, yb)), axis=None)
         return total
 
-    losses = []
-    for epoch in range(3 if precision == "mixed" else 2):  # mixed: the first 8 steps overflow, 4 are applied
-        batches = dataset if mode == "single" else strategy.experimental_distribute_dataset(dataset)
-        if eager:
-            losses.append(sum(float(strategy.reduce("SUM", strategy.run(step, args=b), axis=None)) for b in batches))
-        else:
-            losses.append(float(train_epoch(batches)))
-    counters = {re.sub(r"adam(_[0-9]+)?/", "adam/", v.path): copies(v) for v in optimizer.variables
+    try:
+        losses = []
+        for epoch in range(3 if precision == "mixed" else 2):  # mixed: the first 8 steps overflow, 4 are applied
+            batches = dataset if strategy is DEFAULT else strategy.experimental_distribute_dataset(dataset)
+            if eager:
+                losses.append(sum(float(strategy.reduce("SUM", strategy.run(step, args=b), axis=None))
+                                  for b in batches))
+            else:
+                losses.append(float(train_epoch(batches)))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # the optimizers' names, numbered by Keras per process: adam, adam_1, ...
+    counters = {re.sub(r"^(adam|loss_scale_optimizer)(_[0-9]+)?/", r"\1/", v.path): copies(v)
+                for v in optimizer.variables
                 if v.path.rsplit("/", 1)[-1] in ("iteration", "step_counter", "dynamic_scale")}
     return {"loss": losses, "counters": counters, "weights": [copies(v) for v in model.trainable_variables]}
 
-results = {run: train(run.split("-")[0], run.endswith("-eager")) for run in runs}
-print(json.dumps(results))
-"""
 
-# Runs per process (one strategy per process): "<precision>[-eager]"; the single-device process is the reference.
-_RUNS = {"single": ["float32", "mixed"], "split": ["float32", "float32-eager", "mixed"], "fused": ["float32", "mixed"]}
-_RESULTS = {}
-_SCRIPTS = Path(tempfile.mkdtemp(prefix="tf_nvlink_xla_loops_"))
+def jit_around_strategy_run(strategy):
+    """The unsupported shape: one tf.function(jit_compile=True) around strategy.run."""
+    with strategy.scope():
+        w = tf.Variable(1.0)
 
+    @tf.function(jit_compile=True)
+    def train(x):
+        return strategy.run(lambda v: w * v, args=(x,))
 
-def _run_script(code, *args, timeout=600):
-    """Run `code` from a file: AutoGraph converts a tf.function's loops only when it can read their source
-    (`python -c` code it cannot; a `for` over a dataset then never finishes tracing)."""
-    path = _SCRIPTS / f"script_{abs(hash(code))}.py"
-    path.write_text(code)
-    return run_python([str(path), *args], timeout=timeout)
+    return train(tf.constant(2.0))
 
 
-def _train(mode, run="float32"):
-    if mode not in _RESULTS:
-        proc = _run_script(_LOOP, mode, *_RUNS[mode])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _RESULTS[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _RESULTS[mode][run]
+class OwnTrainStep(keras.Model):
+    # A subclassed model with its own train_step, as in Keras' "customizing fit" guide.
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
 
 
-def _script_result(script, key, run):
-    """The JSON line `script` prints when run as `run`: one process per (script, run), reused across tests."""
-    cache = _RESULTS.setdefault(key, {})
-    if run not in cache:
-        proc = _run_script(script, run)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        cache[run] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return cache[run]
+def fit_own_train_step(strategy, jit):
+    """OwnTrainStep with steps_per_execution=3: fit (2 epochs), evaluate, predict."""
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = OwnTrainStep()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=jit, steps_per_execution=3,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=32, verbose=0)
+    predictions = model.predict(x[:40], batch_size=8, verbose=0)
+    counter = model.optimizer.iterations.value
+    return {"loss": history.history["loss"], "evaluate": evaluation, "predict": predictions.tolist(),
+            "weights": [w.ravel().tolist() for w in model.get_weights()],
+            "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}
+
+
+def fit_mixed(strategy, jit):
+    """model.fit with LossScaleOptimizer(initial_scale=2**20) under mixed_float16, 3 epochs."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = x.copy()
+    inputs[116, 0] = 1000.0  # as in train_loop's mixed run: the last batch overflows on replica 1 at every scale
+    try:
+        with strategy.scope():
+            keras.utils.set_random_seed(5)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(4)])
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 20)
+            model.compile(optimizer=optimizer, jit_compile=jit,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(inputs, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return {"loss": history.history["loss"], "dynamic_scale": copies(optimizer.dynamic_scale),
+            "iterations": copies(optimizer.iterations), "weights": [copies(v) for v in model.trainable_variables]}
+'''
+
+
+def _prelude(mode):
+    """2 logical CPUs, the strategy of `mode` (conftest.two_cpu_strategy), then _HELPERS from a file."""
+    return FUSED_CPU_EMULATION + f"strategy = two_cpu_strategy({mode!r})\nHELPERS = {_HELPERS!r}\n" + r'''
+import os, tempfile
+_path = os.path.join(tempfile.mkdtemp(), "per_replica_steps_helpers.py")
+with open(_path, "w") as _file:
+    _file.write(HELPERS)
+exec(compile(HELPERS, _path, "exec"))
+'''
+
+
+# Started in the background when the tests are collected (tests/scenarios.py), one process per strategy.
+FUSED = scenarios.Scenario("per_replica_steps: fused (emulated) on 2 CPUs, and one device", _prelude("fused"), {
+    "loop single": 'result = {"float32": train_loop(DEFAULT, "float32"), "mixed": train_loop(DEFAULT, "mixed")}',
+    "loop fused": 'result = {"float32": train_loop(strategy, "float32"), "mixed": train_loop(strategy, "mixed")}',
+    "fit single": "result = fit_own_train_step(DEFAULT, jit=False)",
+    "fit fused": "result = fit_own_train_step(strategy, jit=True)",
+    "mixed fit single": "result = fit_mixed(DEFAULT, jit=False)",
+    "mixed fit fused": "result = fit_mixed(strategy, jit=True)",
+})
+SPLIT = scenarios.Scenario("per_replica_steps: split on 2 CPUs", _prelude("split"), {
+    "loop": 'result = {"float32-eager": train_loop(strategy, "float32", eager=True), '
+            '"mixed": train_loop(strategy, "mixed")}',
+    "jit around strategy.run": "jit_around_strategy_run(strategy)",
+})
+# The slow tier's split runs, and fit without XLA: the same hooks as the default run's fused and split cases.
+SPLIT_SLOW = scenarios.Scenario("per_replica_steps: split on 2 CPUs (slow tier)", _prelude("split"), {
+    "loop": 'result = {"float32": train_loop(strategy, "float32")}',
+    "fit split": "result = fit_own_train_step(strategy, jit=True)",
+    "mixed fit split": "result = fit_mixed(strategy, jit=True)",
+    "mixed fit no_xla": "result = fit_mixed(strategy, jit=False)",
+}, slow=True)
+
+
+def _loop(mode, run):
+    if mode == "single":
+        return FUSED.result("loop single")[run]
+    if mode == "fused":
+        return FUSED.result("loop fused")[run]
+    return (SPLIT_SLOW if run == "float32" else SPLIT).result("loop")[run]
 
 
 def _assert_matches_single_device(multi, single, rtol=2e-3, atol=2e-4):
@@ -133,7 +210,7 @@ def test_custom_loop_with_jit_step_matches_single_device(mode, run):
     per-replica step, eagerly. Built inside it, fused mode failed ("You must feed a value for placeholder tensor
     ... cond/Placeholder": TensorFlow initialises variables a function creates in a cond, which breaks on
     MirroredStrategy's no-merge_call path)."""
-    single, multi = _train("single"), _train(mode, run)
+    single, multi = _loop("single", "float32"), _loop(mode, run)
     assert single["counters"] == {"adam/iteration": [8]}  # 128 / 32 x 2 epochs
     assert multi["loss"][-1] < multi["loss"][0]
     _assert_matches_single_device(multi, single)
@@ -152,7 +229,7 @@ def test_loss_scale_optimizer_skips_overflowing_steps_on_every_replica(mode):
     batch's largest float16 gradient, summed over its 32 examples on one device, is 0.27 * 2**18 = 70.8k > 65504
     (overflow: skipped), while each replica sums 16 examples in float16 (finite) and the all-reduce adds them in
     float32 (measured 2026-12-01: thresholds 242k on one device, 572k and 380k on the replicas)."""
-    single, multi = _train("single", "mixed"), _train(mode, "mixed")
+    single, multi = _loop("single", "mixed"), _loop(mode, "mixed")
     counters = single["counters"]
     assert counters["loss_scale_optimizer/dynamic_scale"] == [2.0 ** 15]  # 5 of 12 steps skipped
     assert counters["adam/iteration"] == [7]
@@ -163,93 +240,16 @@ def test_jit_compile_around_strategy_run_names_the_supported_shape():
     """A tf.function(jit_compile=True) around strategy.run is refused with tf_nvlink's ValueError. (It was marked
     xfail as "not raised": it was raised; the test looked for the message's code lines with the indentation
     AutoGraph changes, and for the absence of "Trying to access resource", which the message itself quotes.)"""
-    proc = _run_script(r"""
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import tf_nvlink
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    w = tf.Variable(1.0)
-@tf.function(jit_compile=True)
-def train(x):
-    return strategy.run(lambda v: w * v, args=(x,))
-train(tf.constant(2.0))
-""", timeout=300)
-    assert proc.returncode != 0
-    assert "ValueError: strategy.run() was called inside a tf.function(jit_compile=True)" in proc.stderr
-    assert re.search(r"@tf.function\(jit_compile=True\)\n\s+def step", proc.stderr), proc.stderr[-3000:]
-    assert "def train(x, y): return strategy.run(step, args=(x, y))" in proc.stderr
-    assert "located in device" not in proc.stderr  # TensorFlow's own "Trying to access resource ... replica_1"
-    assert "ag__.ld(ValueError)" not in proc.stderr  # the check runs as Python, not through AutoGraph
+    error = SPLIT.error("jit around strategy.run")
+    assert "ValueError: strategy.run() was called inside a tf.function(jit_compile=True)" in error
+    assert re.search(r"@tf.function\(jit_compile=True\)\n\s+def step", error), error[-3000:]
+    assert "def train(x, y): return strategy.run(step, args=(x, y))" in error
+    assert "located in device" not in error  # TensorFlow's own "Trying to access resource ... replica_1"
+    assert "ag__.ld(ValueError)" not in error  # the check runs as Python, not through AutoGraph
 
 
-def test_synchronized_batch_norm_in_split_mode_is_refused_clearly():
-    """SyncBatchNorm all-reduces its batch statistics with a merge_call on CPU replicas, which XLA cannot hold:
-    tf_nvlink names the layer and the ways out before training instead of TensorFlow's 'merge_call called while
-    defining' (`replicas.SynchronizedBatchNormError`; `CrossReplicaCallInXlaError` catches other such calls)."""
-    proc = _run_script(r"""
-import numpy as np, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
-                              keras.layers.BatchNormalization(synchronized=True), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), batch_size=8, epochs=1, verbose=0)
-""", timeout=300)
-    assert proc.returncode != 0
-    assert "SynchronizedBatchNormError" in proc.stderr, proc.stderr[-3000:]  # tf_nvlink.training.replica_sync checks it first
-    assert "BatchNormalization(synchronized=True)" in proc.stderr and "jit_compile=False" in proc.stderr
-    assert "synchronized=False" in proc.stderr
-
-
-_FIT_SCRIPT = FUSED_CPU_EMULATION + r"""
-import json, sys
-import numpy as np, tensorflow as tf
-mode = sys.argv[1]
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-if mode == "fused":  # fused mode without XLA (conftest.FUSED_CPU_EMULATION)
-    strategy = fused_strategy_emulated_on_cpu()
-elif mode == "single":
-    strategy = tf.distribute.get_strategy()
-else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-
-class OwnTrainStep(keras.Model):
-    # A subclassed model with its own train_step, as in Keras' "customizing fit" guide.
-    def __init__(self):
-        super().__init__()
-        self.hidden, self.out = keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)
-    def call(self, x):
-        return self.out(self.hidden(x))
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {"loss": loss}
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
-with strategy.scope():
-    keras.utils.set_random_seed(5)
-    model = OwnTrainStep()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=mode != "single", steps_per_execution=3,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-evaluation = model.evaluate(x, y, batch_size=32, verbose=0)
-predictions = model.predict(x[:40], batch_size=8, verbose=0)
-counter = model.optimizer.iterations.value
-print(json.dumps({"loss": history.history["loss"], "evaluate": evaluation, "predict": predictions.tolist(),
-                  "weights": [w.ravel().tolist() for w in model.get_weights()],
-                  "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}))
-"""
+# The refusal of BatchNormalization(synchronized=True) in split mode: tests/training/test_replica_sync.py
+# (test_synchronized_batch_norm_in_split_xla_on_cpus_is_refused_with_the_alternatives).
 
 
 @pytest.mark.parametrize("mode", [pytest.param("split", marks=pytest.mark.slow), "fused"])  # split: as fused
@@ -258,46 +258,14 @@ def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_executio
     1), then evaluate and predict: under tf_nvlink with XLA each equals single-device Keras. Fused mode runs the
     steps unrolled (`internals.unrolled_steps_function`): Keras' multi-step while loop fails in TensorFlow's
     no-merge_call path, which fused mode takes on GPUs (seen on 2x H200; the emulation here reproduces it)."""
-    single, multi = _script_result(_FIT_SCRIPT, "fit", "single"), _script_result(_FIT_SCRIPT, "fit", mode)
+    single = FUSED.result("fit single")
+    multi = FUSED.result("fit fused") if mode == "fused" else SPLIT_SLOW.result("fit split")
     assert single["iterations"] == [8] and multi["iterations"] == [8, 8]  # 128 / 32 x 2 epochs, every replica
     np.testing.assert_allclose(multi["loss"], single["loss"], rtol=2e-3)
     for a, b in zip(single["weights"], multi["weights"]):
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-4)
     np.testing.assert_allclose(multi["evaluate"], single["evaluate"], rtol=2e-3, atol=2e-4)
     np.testing.assert_allclose(multi["predict"], single["predict"], rtol=2e-3, atol=2e-4)
-
-
-_MIXED_FIT_SCRIPT = FUSED_CPU_EMULATION + r"""
-import json, sys
-import numpy as np, tensorflow as tf
-mode = sys.argv[1]
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, tf_nvlink
-if mode == "fused":
-    strategy = fused_strategy_emulated_on_cpu()
-elif mode == "single":
-    strategy = tf.distribute.get_strategy()
-else:
-    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-keras.mixed_precision.set_global_policy("mixed_float16")
-rng = np.random.default_rng(0)
-x = rng.normal(size=(128, 8)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
-x[116, 0] = 1000.0  # as in _LOOP's mixed run: the last batch overflows on replica 1 at every scale used
-with strategy.scope():
-    keras.utils.set_random_seed(5)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
-    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 20)
-    model.compile(optimizer=optimizer, jit_compile=mode in ("split", "fused"),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-def copies(variable):
-    value = getattr(variable, "value", variable)
-    return [v.numpy().tolist() for v in getattr(value, "values", [value])]
-print(json.dumps({"loss": history.history["loss"], "dynamic_scale": copies(optimizer.dynamic_scale),
-                  "iterations": copies(optimizer.iterations),
-                  "weights": [copies(v) for v in model.trainable_variables]}))
-"""
 
 
 @pytest.mark.parametrize("mode", [pytest.param("no_xla", marks=pytest.mark.slow),  # fused: the per-replica loss scale
@@ -307,8 +275,8 @@ def test_mixed_precision_fit_skips_overflowing_steps_on_every_replica(mode):
     above: the same 5 of 12 steps skipped as on one device, the same weights. Keras' own update (fit without XLA,
     split mode's update) kept replica 0's finite check for every replica: at step 2 only replica 1 overflowed and
     the update made every weight NaN (measured on 2 CPU replicas before tf_nvlink all-reduced the check)."""
-    single = _script_result(_MIXED_FIT_SCRIPT, "mixed_fit", "single")
-    multi = _script_result(_MIXED_FIT_SCRIPT, "mixed_fit", mode)
+    single = FUSED.result("mixed fit single")
+    multi = FUSED.result("mixed fit fused") if mode == "fused" else SPLIT_SLOW.result(f"mixed fit {mode}")
     assert single["dynamic_scale"] == [2.0 ** 15] and single["iterations"] == [7]
     assert multi["dynamic_scale"] == [2.0 ** 15] * 2 and multi["iterations"] == [7] * 2
     np.testing.assert_allclose(multi["loss"], single["loss"], rtol=2e-2)
