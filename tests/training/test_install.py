@@ -1,17 +1,17 @@
 """Per-replica XLA (tf_nvlink.training.install) on 2 logical CPU devices: XLA compiles for the CPU too.
 
-Each scenario runs in its own process: TensorFlow fixes its device list at first use and tolerates one
-MirroredStrategy per process. The stock-MirroredStrategy test reproduces TensorFlow's failure, so the passing
-tests show it is the plugin's mechanism that fixes it.
+TensorFlow fixes its device list at first use and tolerates one MirroredStrategy per process: the cases of each
+strategy run in one scenario process (tests/scenarios.py). The stock-MirroredStrategy test reproduces
+TensorFlow's failure, so the passing tests show it is the plugin's mechanism that fixes it.
 """
 
 import inspect
-import json
 
 import numpy as np
+import pytest
 
 import scenarios
-from conftest import FUSED_CPU_EMULATION, run_python
+from conftest import FUSED_CPU_EMULATION
 
 _PRELUDE = r"""
 import json, sys
@@ -34,38 +34,24 @@ def compile_(model, jit=True):
 """
 
 
-def _run(body, timeout=300):
-    proc = run_python(_PRELUDE + body, timeout=timeout)
-    return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None)
-
-
-def test_stock_mirrored_strategy_fails_with_jit_compile():
-    proc, _ = _run("""
+STOCK = scenarios.Scenario("install: stock MirroredStrategy on 2 CPUs", _PRELUDE, {"fit with jit_compile": """
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
 with strategy.scope():
     model = build(); compile_(model)
 model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-""")
-    assert proc.returncode != 0
-    assert "Trying to access resource" in proc.stderr and "replica_1" in proc.stderr
+"""})
+
+
+def test_stock_mirrored_strategy_fails_with_jit_compile():
+    error = STOCK.error("fit with jit_compile")
+    assert "Trying to access resource" in error and "replica_1" in error, error[-3000:]
 
 
 # The cases that share one tf_nvlink strategy on 2 logical CPUs, in one process (scenarios.py); each restores what
 # it patches. "fit, evaluate, predict" comes first: it counts the strategy's per-replica predict functions.
 _SHARED_CASES = {}
 _SHARED_CASES["fit, evaluate, predict"] = """
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    model = build(); compile_(model)
-history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
-loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
-predictions = model.predict(x[:10], batch_size=4, verbose=0)
-compiled = list(base.runner_of(strategy).per_replica_functions.values())  # predict's jit function, copied per replica
-result = {"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
-          "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce, "predict_copies": len(compiled)}
-"""
-_SHARED_CASES["a step per replica"] = """
-made = []
+made = []  # the per-replica steps fit and evaluate make
 original_init = install.PerReplicaXlaStep.__init__
 def spy(self, *args, **kwargs):
     original_init(self, *args, **kwargs); made.append(self)
@@ -74,12 +60,16 @@ try:
     strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = build(); compile_(model)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    model.evaluate(x, y, batch_size=32, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
 finally:
     install.PerReplicaXlaStep.__init__ = original_init
-result = [{"kind": s.kind, "replicas": sorted(s._compiled),
-           "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]
+predictions = model.predict(x[:10], batch_size=4, verbose=0)
+compiled = list(base.runner_of(strategy).per_replica_functions.values())  # predict's jit function, copied per replica
+result = {"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
+          "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce, "predict_copies": len(compiled),
+          "steps": [{"kind": s.kind, "replicas": sorted(s._compiled),
+                     "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]}
 """
 _SHARED_CASES["auto jit"] = """
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
@@ -139,6 +129,20 @@ with strategy.scope():
     model = NoOptimizer([keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(4)]); compile_(model)
 model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 """
+_SHARED_CASES["unsupported Keras"] = """
+internals.reset_hooks_for_tests()  # as in a fresh process: the hooks are installed by the next strategy() call
+real_check = internals.check_keras_support
+internals.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
+try:
+    strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = build(); compile_(model)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+finally:
+    internals.check_keras_support = real_check
+    internals.reset_hooks_for_tests()
+    tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])  # the hooks back, for any later case
+"""
 SHARED = scenarios.Scenario("install: one strategy on 2 CPUs", _PRELUDE, _SHARED_CASES)
 
 
@@ -150,7 +154,7 @@ def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work(
 
 
 def test_each_replica_gets_its_own_xla_compiled_step():
-    out = SHARED.result("a step per replica")
+    out = SHARED.result("fit, evaluate, predict")["steps"]
     assert [s["kind"] for s in out] == ["train", "test"]
     for step in out:
         assert step["replicas"] == [0, 1] and step["xla"] == [True, True]
@@ -161,16 +165,9 @@ def test_auto_jit_compile_follows_keras_rule_under_the_plugin():
 
 
 def test_unsupported_keras_fails_loudly():
-    proc, _ = _run("""
-internals.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    model = build(); compile_(model)
-model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-""")
-    assert proc.returncode != 0
-    assert "UnsupportedKerasError" in proc.stderr and "jit_compile=False" in proc.stderr
-    assert "pretend this Keras" in proc.stderr
+    error = SHARED.error("unsupported Keras")
+    assert "UnsupportedKerasError" in error and "jit_compile=False" in error
+    assert "pretend this Keras" in error
 
 
 def test_train_step_without_optimizer_call_gets_a_clear_error():
@@ -266,30 +263,28 @@ def test_fit_makes_one_distributed_iterator_once_the_model_is_built():
         assert out["losses"][f"{name}fit2"] < out["losses"][f"{name}fit1"]
 
 
+FUSED = scenarios.Scenario("install: fused (emulated) on 2 CPUs, and one device", _PRELUDE + FUSED_CPU_EMULATION + r"""
+strategy = fused_strategy_emulated_on_cpu()
+def fit(strategy, jit):
+    with strategy.scope():
+        model = build(); compile_(model, jit=jit)
+    history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    counter = model.optimizer.iterations.value
+    return {"loss": history.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
+            "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}
+""", {"single": "result = fit(tf.distribute.get_strategy(), jit=False)",  # no scope: one device
+      "fused": "result = fit(strategy, jit=True)"}, slow=True)
+
+
+# The default run's fused fit against one device, per-replica iterations included:
+# test_per_replica_steps.py::test_mixed_precision_fit_skips_overflowing_steps_on_every_replica[fused].
+@pytest.mark.slow
 def test_fused_mode_semantics_match_single_device_training():
     """Fused mode's logic without XLA itself (XLA on CPU cannot compile collectives): TensorFlow's no-merge_call
     path, which it takes under XLA on GPUs, is switched on for CPU replicas, and the per-replica functions are
     built exactly as in fused mode but without jit. Gradients all-reduced in replica context, the optimizer
     applied per replica, and the replica-local `iterations` counters must reproduce single-device training."""
-    script = _PRELUDE + FUSED_CPU_EMULATION + r"""
-mode = sys.argv[1]
-if mode == "fused":
-    strategy = fused_strategy_emulated_on_cpu()
-else:
-    strategy = tf.distribute.get_strategy()
-with strategy.scope():
-    model = build(); compile_(model, jit=(mode == "fused"))
-history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-counter = model.optimizer.iterations.value
-print(json.dumps({"loss": history.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
-                  "iterations": [int(v.numpy()) for v in getattr(counter, "values", [counter])]}))
-"""
-    results = {}
-    for mode in ("single", "fused"):
-        proc = run_python(["-c", script, mode], timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    single, fused = results["single"], results["fused"]
+    single, fused = FUSED.result("single"), FUSED.result("fused")
     assert fused["iterations"] == [12, 12] and single["iterations"] == [12]  # 128 / 32 x 3 epochs, every replica
     np.testing.assert_allclose(fused["loss"], single["loss"], rtol=1e-5)
     for a, b in zip(single["weights"], fused["weights"]):
