@@ -1,25 +1,23 @@
 """tf_nvlink.training.callbacks.AtomicBackupAndRestore: the backup is consistent at every instant a kill can hit
-the save, and a torn or hand-edited backup is refused naming the file (one subprocess: it trains)."""
+the save, and a torn or hand-edited backup is refused naming the file (in the test process: a small model trained
+on one device, no strategy)."""
 
-import json
-import textwrap
+import os
 
-from conftest import ROOT, run_python
+import numpy as np
 
-EXAMPLES = str(ROOT / "examples")
-# The backup at every instant a kill can hit it: the interrupted save's temporary files are left behind (as a
-# real kill leaves them), and a fresh process must resume from a consistent (epoch, weights) pair.
-BACKUP_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    import numpy as np
-    sys.path.insert(0, {examples!r})
-    import keras, mnist_mlp
+
+class _Killed(BaseException):
+    pass
+
+
+def _kill_the_save_at_every_instant(backup):
+    """The backup at every instant a kill can hit it: the interrupted save's temporary files are left behind (as a
+    real kill leaves them), and a fresh model must resume from a consistent (epoch, weights) pair."""
+    from tf_nvlink.plan import tune_cache
+    from tf_nvlink.tools import bench_models
     from tf_nvlink.training import callbacks
 
-    from tf_nvlink.tools import bench_models
-    from tf_nvlink.tools import tune
-    from tf_nvlink.plan import tune_cache
-    backup = {backup!r}
     x = np.random.default_rng(0).random((64, 784)).astype("float32")
     y = np.arange(64) % 10
 
@@ -30,9 +28,6 @@ BACKUP_SCRIPT = textwrap.dedent("""
 
     def weights(m):
         return [w.copy() for w in m.get_weights()]
-
-    class Killed(BaseException):
-        pass
 
     def resume():
         fresh, callback = model(), callbacks.AtomicBackupAndRestore(backup)
@@ -45,17 +40,19 @@ BACKUP_SCRIPT = textwrap.dedent("""
     after_1 = weights(first)
     first.fit(x, y, epochs=1, verbose=0)  # epoch 2's weights, not yet backed up
     after_2 = weights(first)
-    out = {{}}
+    out = {}
     for point in ["weights rename", "metadata rename", None]:  # the n-th os.replace of the save is killed
         real_replace, calls = os.replace, []
+
         def replace(src, dst, point=point):
             calls.append(dst)
-            step = {{"weights rename": 1, "metadata rename": 2}}.get(point)
+            step = {"weights rename": 1, "metadata rename": 2}.get(point)
             if len(calls) == step:
                 with open(src, "wb") as torn:  # a kill leaves the half-written temporary behind
                     torn.write(b"torn")
-                raise Killed()
+                raise _Killed()
             return real_replace(src, dst)
+
         tune_cache.os.replace = replace
         callback = callbacks.AtomicBackupAndRestore(backup)
         callback.set_model(first)
@@ -64,28 +61,28 @@ BACKUP_SCRIPT = textwrap.dedent("""
         os.unlink = lambda path: None  # a killed process cleans nothing up
         try:
             callback._save_model()
-        except Killed:
+        except _Killed:
             pass
         finally:
             tune_cache.os.replace, os.unlink = real_replace, unlink
         resumed = resume()
         got = weights(resumed)
-        out[str(point)] = {{
+        out[str(point)] = {
             "epoch": resumed._initial_epoch,
             "weights_of": [e for e, w in ((1, after_1), (2, after_2))
                            if all(np.array_equal(a, b) for a, b in zip(got, w))],
             "files": sorted(os.listdir(backup)),
-        }}
+        }
     with open(os.path.join(backup, "training_metadata.json"), "w") as f:
-        f.write('{{"epoch": 2, "batch": 0, "weig')  # what Keras' own callback leaves after a kill mid-write
+        f.write('{"epoch": 2, "batch": 0, "weig')  # what Keras' own callback leaves after a kill mid-write
     try:
         callbacks.read_backup(backup)
         out["torn"] = "read?!"
     except ValueError as error:
         out["torn"] = str(error)
-    for text in ['{{"epoch": NaN, "weights": "epoch_0002.weights.h5"}}',
-                 '{{"epoch": 1, "epoch": 2, "weights": "epoch_0002.weights.h5"}}',
-                 '{{"epoch": 2, "weights": "../../etc/passwd"}}', '{{"epoch": -1}}', '[2]']:
+    for text in ['{"epoch": NaN, "weights": "epoch_0002.weights.h5"}',
+                 '{"epoch": 1, "epoch": 2, "weights": "epoch_0002.weights.h5"}',
+                 '{"epoch": 2, "weights": "../../etc/passwd"}', '{"epoch": -1}', '[2]']:
         with open(os.path.join(backup, "training_metadata.json"), "w") as f:
             f.write(text)
         try:
@@ -93,16 +90,14 @@ BACKUP_SCRIPT = textwrap.dedent("""
             out[text] = "read?!"
         except ValueError as error:
             out[text] = str(error)
-    print("BACKUP " + json.dumps(out))
-    """)
+    return out
 
 
-def test_backup_is_consistent_whenever_the_save_is_killed(tmp_path):
+def test_backup_is_consistent_whenever_the_save_is_killed(tf, tmp_path):
+    """The `tf` fixture: TensorFlow's devices are configured before this test runs a function (later tests in the
+    same process count on the logical CPUs)."""
     backup = tmp_path / "backup"
-    result = run_python(BACKUP_SCRIPT.format(examples=EXAMPLES, backup=str(backup)), timeout=120)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("BACKUP ")]
-    assert result.returncode == 0 and lines, result.stdout + result.stderr[-3000:]
-    out = json.loads(lines[-1][len("BACKUP "):])
+    out = _kill_the_save_at_every_instant(str(backup))
     # Killed before either rename: epoch 1 and epoch 1's weights, whatever debris the kill left.
     assert out["weights rename"]["epoch"] == 1 and out["weights rename"]["weights_of"] == [1], out
     assert out["metadata rename"]["epoch"] == 1 and out["metadata rename"]["weights_of"] == [1], out
