@@ -1,8 +1,8 @@
 """tf_nvlink.strategy() on logical CPU devices: real TensorFlow training, one strategy per process.
 
 The strategy here mirrors over conftest's N_LOGICAL_CPUS logical CPU devices (a GPU-less machine mirrors over
-its CPU devices); the tests that need another layout or another strategy share one scenario process of 2 logical
-CPUs (tests/scenarios.py).
+its CPU devices); the tests that need another layout or another strategy run cases of a scenario process of 2
+logical CPUs (tests/scenarios.py).
 """
 
 import json
@@ -111,6 +111,21 @@ def equivalence_fit(jit):  # trains under the current strategy scope; returns th
     return {"loss": h.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
             "jit": bool(model.jit_compile)}
 """
+# Both modes under one tf_nvlink strategy of 2 logical CPUs, in a scenario process of the slow tier.
+TWO_REPLICAS = scenarios.Scenario("single_host: two replicas", r"""
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_nvlink
+""" + _EQUIVALENCE_DATA_AND_FIT, {"two replicas": """
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+result = {}
+for jit in (False, True):
+    with strategy.scope():
+        result["xla" if jit else "no_xla"] = equivalence_fit(jit)
+"""}, slow=True)
+
+
 def _single_device_run(tf, jit):
     """The reference, in this process: the default strategy (no mirroring) on one device."""
     namespace = {}
@@ -119,11 +134,12 @@ def _single_device_run(tf, jit):
         return namespace["equivalence_fit"](jit)
 
 
+@pytest.mark.slow  # test_exact_batches.py: 2 CPU replicas train as one device, plain and split, in the default run
 @pytest.mark.parametrize("jit", [False, True], ids=["no_xla", "xla"])
 def test_two_replicas_match_single_device_training_with_the_same_global_batch(tf, jit):
     """Both modes under one tf_nvlink strategy of 2 logical CPUs (the scenario process's), against one device here."""
     assert not tf.distribute.has_strategy()
-    single, plugin = _single_device_run(tf, jit), TWO_CPUS_SCENARIO.result("two replicas")["xla" if jit else "no_xla"]
+    single, plugin = _single_device_run(tf, jit), TWO_REPLICAS.result("two replicas")["xla" if jit else "no_xla"]
     assert plugin["jit"] == jit
     assert plugin["loss"][-1] < plugin["loss"][0]
     np.testing.assert_allclose(plugin["loss"], single["loss"], rtol=1e-4)
@@ -160,11 +176,10 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import pynvml, fake_nvml
 from tensorflow.python.framework import kernels
-import tf_nvlink
 from tf_nvlink import internals
 from tf_nvlink.machine import nvml
 from tf_nvlink.distribute import single_host
-""" + _EQUIVALENCE_DATA_AND_FIT + r"""
+
 records = []
 class Collect(logging.Handler):
     def emit(self, record):
@@ -261,17 +276,9 @@ REQUEST_CASES = {  # the strategy's requests, honoured or refused
 FAKED_MACHINE_CASES = {**DEGRADE_CASES, **REQUEST_CASES}
 
 
-# One process of 2 logical CPUs: first the two-replica training (tf_nvlink.strategy over both CPUs, plain and XLA),
-# then every faked machine (single_host._build, or strategy() refusing its arguments before the strategy check).
-TWO_CPUS_SCENARIO = scenarios.Scenario("single_host: 2 CPUs", _TWO_CPUS_PRELUDE, {
-    "two replicas": """
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-result = {}
-for jit in (False, True):
-    with strategy.scope():
-        result["xla" if jit else "no_xla"] = equivalence_fit(jit)
-""", **{name: f"result = faked_machine(json.loads({json.dumps(case)!r}))"
-        for name, case in FAKED_MACHINE_CASES.items()}})
+# Every faked machine in one scenario process of 2 logical CPUs.
+TWO_CPUS_SCENARIO = scenarios.Scenario("single_host: faked machines on 2 CPUs", _TWO_CPUS_PRELUDE, {
+    name: f"result = faked_machine(json.loads({json.dumps(case)!r}))" for name, case in FAKED_MACHINE_CASES.items()})
 
 
 @pytest.fixture(scope="module")
