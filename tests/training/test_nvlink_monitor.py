@@ -9,6 +9,7 @@ import pynvml
 import pytest
 
 import fake_nvml
+import scenarios
 from conftest import run_python
 from fake_nvml import FakeNvml
 from tf_nvlink.training import nvlink_sampling
@@ -333,8 +334,7 @@ def test_one_counter_read_costs_little_on_the_fake():
 # ---- the callback in a real fit on CPU replicas ----------------------------------------------------------------------
 
 _FIT = r"""
-import json, logging, os, sys
-sys.path.insert(0, "tests")
+import logging, os, tempfile
 import tensorflow as tf
 cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 4)
@@ -381,28 +381,25 @@ def fit(machine, gpus=None, nvlink=True, tensorboard=None, epochs=2):
             "batch_gbps": [[e, b, sorted(g)] for e, b, g in mon.batch_gbps], "bench": nvlink_traffic.bench_record(mon),
             "overhead": mon.read_overhead()}
 
-out = {"grad_bytes": grad_bytes, "tb": sys.argv[1]}
-out["nvlink"] = fit(fake_nvml.h100_hgx_x8(), gpus=[0, 1, 2, 3], tensorboard=sys.argv[1])
-out["nop2p"] = fit(fake_nvml.h100_hgx_x8(), gpus=[0, 1, 2, 3], nvlink=False)
-out["pcie"] = fit(fake_nvml.pcie_x4(), gpus=[0, 1, 2, 3], epochs=1)
-out["one_gpu"] = fit(fake_nvml.h200_x2(), gpus=[0], epochs=1)
-out["cpu_strategy"] = fit(fake_nvml.h200_x2(), epochs=1)
-out["tb_files"] = sorted(os.listdir(os.path.join(sys.argv[1], "nvlink")))
-print("RESULT" + json.dumps(out))
+TB = tempfile.mkdtemp(prefix="tf_nvlink_tb_")
 """
+# One process (tests/scenarios.py), started in the background when the tests are collected; its cases run in this
+# order and train the same model on.
+MONITOR = scenarios.Scenario("nvlink_monitor: MirroredStrategy on 4 CPUs", _FIT, {
+    "nvlink": """
+result = fit(fake_nvml.h100_hgx_x8(), gpus=[0, 1, 2, 3], tensorboard=TB)
+result.update(grad_bytes=grad_bytes, tb_files=sorted(os.listdir(os.path.join(TB, "nvlink"))))
+""",
+    "nop2p": "result = fit(fake_nvml.h100_hgx_x8(), gpus=[0, 1, 2, 3], nvlink=False)",
+    "pcie": "result = fit(fake_nvml.pcie_x4(), gpus=[0, 1, 2, 3], epochs=1)",
+    "one_gpu": "result = fit(fake_nvml.h200_x2(), gpus=[0], epochs=1)",
+    "cpu_strategy": "result = fit(fake_nvml.h200_x2(), epochs=1)",
+}, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def fits(tmp_path_factory):
-    tb = tmp_path_factory.mktemp("tb")
-    proc = run_python(["-c", _FIT, str(tb)], timeout=900)  # ~1 min alone; slower on a busy machine
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
-
-
-def test_fit_logs_nvlink_bytes_per_step_equal_to_the_simulated_allreduce(fits):
-    run = fits["nvlink"]
-    expected = fits["grad_bytes"] * 2 * 3 / 4  # 4 replicas
+def test_fit_logs_nvlink_bytes_per_step_equal_to_the_simulated_allreduce():
+    run = MONITOR.result("nvlink")
+    expected = run["grad_bytes"] * 2 * 3 / 4  # 4 replicas
     assert run["expected"] == expected and run["unavailable"] is None
     assert run["steps"] == [4, 4]  # 256 examples / 64
     assert len(run["history"]["nvlink_bytes_per_step"]) == 2  # in History, so the progress bar showed them
@@ -417,11 +414,11 @@ def test_fit_logs_nvlink_bytes_per_step_equal_to_the_simulated_allreduce(fits):
     assert bench["nvlink_expected_bytes_per_step"] == expected and bench["nvlink_unavailable"] is None
     assert bench["nvlink_bytes_per_step"] == run["history"]["nvlink_bytes_per_step"][1]  # epochs after the first
     assert 0 <= run["overhead"] < 1
-    assert any(name.startswith("events.out.tfevents") for name in fits["tb_files"])  # beside TensorBoard's logs
+    assert any(name.startswith("events.out.tfevents") for name in run["tb_files"])  # beside TensorBoard's logs
 
 
-def test_fit_without_nvlink_traffic_says_so_once(fits):
-    run = fits["nop2p"]
+def test_fit_without_nvlink_traffic_says_so_once():
+    run = MONITOR.result("nop2p")
     assert run["history"]["nvlink_bytes_per_step"] == [0.0, 0.0]
     assert len(run["lines"]) == 1
     assert run["lines"][0].startswith("NVLinkMonitor: NVLink carried 0% of the expected all-reduce bytes")
@@ -433,8 +430,8 @@ def test_fit_without_nvlink_traffic_says_so_once(fits):
     ("one_gpu", "one GPU ([0]): a single replica all-reduces nothing over NVLink"),
     ("cpu_strategy", "the strategy runs on ['/job:localhost/replica:0/task:0/device:CPU:0'"),
 ])
-def test_fit_without_usable_counters_says_why_in_one_line_and_adds_no_keys(fits, case, reason):
-    run = fits[case]
+def test_fit_without_usable_counters_says_why_in_one_line_and_adds_no_keys(case, reason):
+    run = MONITOR.result(case)
     assert run["history"] == {} and run["keys"] == ["loss"]
     assert len(run["lines"]) == 1
     assert run["lines"][0].startswith("NVLinkMonitor: no NVLink traffic figures: unavailable because " + reason)
