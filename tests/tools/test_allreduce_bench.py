@@ -1,7 +1,9 @@
 """tf_nvlink.tools.allreduce_bench: parsing, the nccl-tests math and tables, candidate validity, and one real CPU run.
 
-The real run (2 logical CPU devices, 2 tiny sizes, reduce_to_one measured and nccl skipped: one worker process, a
-few seconds) is shared by the tests that need measured output; everything else uses fake workers.
+The real run (2 logical CPU devices, 2 tiny sizes, reduce_to_one measured and nccl skipped) is shared by the tests
+that need measured output: the command line here, its worker (`worker.main`, what `python -m
+tf_nvlink.tools.allreduce_bench.worker` runs) in a scenario process that also inspects the chained graph; the slow
+tier runs it again with the worker spawned as its own process. Everything else uses fake workers.
 """
 
 import contextlib
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import fake_nvml
+import scenarios
 from fake_nvml import FakeNvml
 from tf_nvlink.tools import allreduce_bench
 from tf_nvlink.plan import allreduce_sizes
@@ -326,16 +329,54 @@ class TestFakeRuns:
 
 
 # ------------------------------------------------------------------------------- one real run on CPU
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    """`python -m tf_nvlink.tools.allreduce_bench` over 2 logical CPU devices, tiny sizes: one worker process (nccl
-    is skipped on CPU; the fake-worker tests above cover several measured candidates)."""
+CPU_ARGV = ["--devices", "cpu:2", "--sizes", "1K,64K", "--iters", "3", "--warmup", "1", "--repeats", "2",
+            "--candidates", "reduce_to_one,nccl"]
+CHAINED_ITERS = 4
+# The worker's own arguments (runner.worker_command without `python -m worker`): the run CPU_ARGV asks for, and the
+# graph inspection. Both use reduce_to_one over 2 logical CPUs, so they share one process (one strategy).
+WORKER_ARGV = {
+    "inspect": ["--inspect", "--candidate", "reduce_to_one", "--target", "cpu:2", "--sizes", "1K", "--iters",
+                str(CHAINED_ITERS)],
+    "measure": runner.worker_command(specs.Candidate("reduce_to_one"), CPU2, [1024, 65536], 3, 1, 2)[3:],
+}
+WORKER = scenarios.Scenario("allreduce_bench worker: reduce_to_one on 2 CPUs", r"""
+import contextlib, io, json
+from tf_nvlink.tools.allreduce_bench import worker
+
+
+def worker_line(argv):  # worker.main's exit code and the JSON line it prints last, as the runner reads it
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = worker.main(argv)
+    return {"code": code, "record": json.loads(out.getvalue().strip().splitlines()[-1])}
+""", {name: f"result = worker_line({argv!r})" for name, argv in WORKER_ARGV.items()},
+    env={"CUDA_VISIBLE_DEVICES": ""})  # as runner.worker_env sets it for a CPU run
+
+
+def scenario_worker(candidate, target, sizes, iters, warmup, repeats, env=None, timeout=None):
+    """runner.spawn_worker's stand-in: the scenario's worker record, for exactly the worker arguments it ran."""
+    assert runner.worker_command(candidate, target, sizes, iters, warmup, repeats)[3:] == WORKER_ARGV["measure"]
+    assert not env
+    answer = WORKER.result("measure")
+    assert answer["code"] == 0, answer
+    return answer["record"]
+
+
+@pytest.fixture(scope="module", params=[
+    "scenario worker",
+    # [scenario worker] checks the same in the default run; here runner.spawn_worker starts the worker process
+    pytest.param("spawned worker", marks=pytest.mark.slow)])
+def cpu_run(request, tmp_path_factory):
+    """`python -m tf_nvlink.tools.allreduce_bench` over 2 logical CPU devices, tiny sizes, one candidate measured
+    (nccl is skipped on CPU; the fake-worker tests above cover several measured candidates)."""
     folder = tmp_path_factory.mktemp("bench")
-    argv = ["--devices", "cpu:2", "--sizes", "1K,64K", "--iters", "3", "--warmup", "1", "--repeats", "2",
-            "--candidates", "reduce_to_one,nccl", "--json", str(folder / "allreduce_bench.json")]
+    argv = CPU_ARGV + ["--json", str(folder / "allreduce_bench.json")]
     if HAVE_MATPLOTLIB:
         argv += ["--plot", str(folder / "allreduce_bench.png")]
-    code, out, err = run_main(argv)
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "scenario worker":
+            patch.setattr(runner, "spawn_worker", scenario_worker)
+        code, out, err = run_main(argv)
     return {"code": code, "out": out, "err": err, "folder": folder, "argv": argv}
 
 
@@ -379,12 +420,10 @@ def test_chained_reduce_to_one_moves_data_every_iteration():
     Without the tf.maximum(sum, floor) step Grappler turned the whole chain into ONE AddN on the first device
     with a single transfer, so the benchmark timed no link traffic after the first all-reduce.
     """
-    iters = 4
-    command = [sys.executable, "-m", "tf_nvlink.tools.allreduce_bench.worker", "--inspect", "--candidate", "reduce_to_one",
-               "--target", "cpu:2", "--sizes", "1K", "--iters", str(iters)]
-    result = subprocess.run(command, env=runner.worker_env(CPU2), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    iters = CHAINED_ITERS
+    answer = WORKER.result("inspect")  # `worker --inspect`, in the scenario process
+    assert answer["code"] == 0, answer
+    report = answer["record"]
     timed, local = report["timed"], report["local"]
     # first iteration: replica 1's input goes to CPU:0 (a function argument on CPU, so not counted here); every
     # iteration: the sum goes back to CPU:1; every iteration but the last: replica 1's next input goes to CPU:0.
