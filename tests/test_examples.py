@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -101,14 +102,27 @@ def test_mnist_mlp_helpfull_documents_the_flags_without_importing_tensorflow():
     assert "falls back to the UCI handwritten" in result.stdout
 
 
-def test_reproduce_script_keeps_whole_logs_and_rejects_unknown_stages(tmp_path):
+@pytest.mark.parametrize("python", [
+    "adding --no-tf",
+    # [adding --no-tf] checks the logs in the default run, test_report.py the report of the real TensorFlow
+    pytest.param("as is", marks=pytest.mark.slow)])
+def test_reproduce_script_keeps_whole_logs_and_rejects_unknown_stages(tmp_path, python):
+    """The report stage's command in commands.txt and its whole output in report.log. In the default run PYTHON is
+    a wrapper of this interpreter that adds --no-tf, so the stage does not import TensorFlow."""
     script = str(ROOT / "benchmarks" / "reproduce.sh")
-    proc = subprocess.run(["bash", script, str(tmp_path), "report"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT)))
+    interpreter = sys.executable
+    if python == "adding --no-tf":
+        interpreter = tmp_path / "bin" / "python"
+        interpreter.parent.mkdir()
+        interpreter.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@" --no-tf\n')
+        interpreter.chmod(0o755)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", script, str(out), "report"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=str(interpreter), PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "-m tf_nvlink report" in (tmp_path / "commands.txt").read_text()
-    assert "Plan for tf_nvlink.strategy" in (tmp_path / "report.log").read_text()
-    bad = subprocess.run(["bash", script, str(tmp_path), "warp"], capture_output=True, text=True, timeout=60)
+    assert "-m tf_nvlink report" in (out / "commands.txt").read_text()
+    assert "Plan for tf_nvlink.strategy" in (out / "report.log").read_text()
+    bad = subprocess.run(["bash", script, str(out), "warp"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "valid: report allreduce tests mlp resnet50 workers" in bad.stderr
 
 

@@ -454,8 +454,9 @@ def test_example_script_rejects_unknown_flags():
 
 
 def test_real_tensorflow_report_does_not_crash(tf, capsys):
-    """The one test here that asks the real TensorFlow (the test process's: a CUDA build seeing no GPU); the
-    reproduce script's test (tests/test_examples.py) runs `python -m tf_nvlink report` with it in a fresh process."""
+    """The one test here that asks the real TensorFlow (the test process's: a CUDA build seeing no GPU); in a fresh
+    process, `python -m tf_nvlink report` imports it in the reproduce script's test of the slow tier
+    (tests/test_examples.py)."""
     assert cli.main(["report", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["tensorflow"]
     assert data["checked"] is True and data["version"] == tf.__version__
