@@ -68,11 +68,15 @@ def fit_and_check(jit, synchronized=False):
         "synced_inside": [type(s.step_function).__name__ == "SyncedStep" for s in made if s.kind == "train"]}
 """
 _SWITCH_OFF = """
+before = os.environ.get(replica_sync.ENV_SWITCH)
 os.environ[replica_sync.ENV_SWITCH] = "0"  # read when Keras builds the train function
 try:
     result = fit_and_check(jit=False)
 finally:
-    del os.environ[replica_sync.ENV_SWITCH]
+    if before is None:
+        del os.environ[replica_sync.ENV_SWITCH]
+    else:
+        os.environ[replica_sync.ENV_SWITCH] = before
 """
 _SYNC_BN_REFUSED = """
 with strategy.scope():
