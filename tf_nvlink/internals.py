@@ -107,7 +107,8 @@ def uninstall_keras_hooks() -> None:
         for name, original in list(_STATE.originals.items()):
             owner, _, attribute = name.rpartition(".")
             owners = {**_OPTIMIZER_CLASSES, "loss_module": _keras_loss_module,
-                      "EpochIterator": _keras_epoch_iterator_class, "BatchNormalization": _keras_batch_norm_class}
+                      "EpochIterator": _keras_epoch_iterator_class, "BatchNormalization": _keras_batch_norm_class,
+                      "CompileLoss": _keras_compile_loss_class, "Mean": _keras_mean_metric_class}
             if owner and owner not in owners:
                 continue  # the gradient all-reduce and the write recorder have their own restore
             setattr(owners[owner]() if owner else trainer, attribute, original)
@@ -706,6 +707,8 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
       (`_install_loss_share_hooks`, the exact-batch rule).
     - `EpochIterator._enumerate_iterator` (`_install_epoch_iterator_hook`: an epoch runs the steps it asks for).
     - `BatchNormalization._moments` (`_install_empty_replica_hooks`: no NaN from a replica without examples).
+    - `CompileLoss.call`, `Mean.update_state` (`_install_output_loss_metric_hooks`: a multi-output model's
+      per-output loss metrics count each step once, a replica without examples not at all).
     - `BaseOptimizer._clip_gradients` (`_install_clip_hook`: clipping acts on the all-reduced gradients).
     """
     with _STATE.lock:
@@ -763,6 +766,7 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
             trainer._maybe_symbolic_build = _maybe_symbolic_build
         _install_optimizer_hooks()
         _install_loss_share_hooks()
+        _install_output_loss_metric_hooks()
         _install_epoch_iterator_hook()
         _install_empty_replica_hooks()
         _install_clip_hook()
@@ -1105,6 +1109,55 @@ def _install_loss_share_hooks() -> None:
     module.scale_loss_for_distribution = scale_loss_for_distribution
     module.unscale_loss_for_distribution = unscale_loss_for_distribution
     module.reduce_values = reduce_values_weighted
+
+
+def _keras_compile_loss_class():
+    from keras.src.trainers.compile_utils import CompileLoss  # noqa: PLC0415
+
+    return CompileLoss
+
+
+def _keras_mean_metric_class():
+    from keras.src.metrics.reduction_metrics import Mean  # noqa: PLC0415
+
+    return Mean
+
+
+_OUTPUT_LOSS_METRICS = threading.local()  # the CompileLoss whose call runs in this replica thread
+
+
+def _install_output_loss_metric_hooks() -> None:
+    """Replace `CompileLoss.call` and `Mean.update_state` (Keras 3.12 to 3.15; called with _STATE.lock held).
+
+    Why: for a model with several outputs Keras keeps one `Mean` per output loss (`<output>_loss` in the logs) and
+    updates it in `CompileLoss.call` with `sample_weight=tree.flatten(y_p)[0].shape[0]`, the STATIC batch size,
+    which is None in fit's step when batches vary in size (a partial last batch): the metric then counts every step
+    once, with its mean loss. Under a MirroredStrategy every replica counts the step once, the replica without examples too (its
+    loss is 0), so a 1 + 0 step enters `<output>_loss` at half its value (and an uneven split weights the replicas'
+    means alike). While a train step under a tf_nvlink strategy is traced (`loss_share_while_tracing`), such an
+    update is weighted by the replica's share of the step's examples instead: the replicas add up to one count
+    per step, the step's mean loss (one device's value), and a replica without examples adds nothing. Updates
+    with a known batch size (Keras weights them by it), other `Mean`s, and every update outside those steps run
+    Keras' own code."""
+    compile_loss, mean = _keras_compile_loss_class(), _keras_mean_metric_class()
+    call = _STATE.originals["CompileLoss.call"] = compile_loss.__dict__["call"]
+    update_state = _STATE.originals["Mean.update_state"] = mean.__dict__["update_state"]
+
+    def call_counting_shares(self, y_true, y_pred, sample_weight=None):
+        if getattr(_LOSS_SHARE, "value", None) is None:
+            return call(self, y_true, y_pred, sample_weight)
+        with _thread_setting(_OUTPUT_LOSS_METRICS, "owner", self):  # its metrics exist once it is built
+            return call(self, y_true, y_pred, sample_weight)
+
+    def update_state_by_share(self, values, sample_weight=None):
+        share, owner = getattr(_LOSS_SHARE, "value", None), getattr(_OUTPUT_LOSS_METRICS, "owner", None)
+        if sample_weight is None and share is not None and owner is not None \
+                and any(metric is self for metric in owner.metrics):
+            sample_weight = tf.cast(share, self.dtype)  # replicas' shares add up to 1: the step counts once
+        return update_state(self, values, sample_weight)
+
+    compile_loss.call = call_counting_shares
+    mean.update_state = update_state_by_share
 
 
 # ==== TensorFlow profiler traces (the step doctor) ===========================================================
