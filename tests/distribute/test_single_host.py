@@ -111,6 +111,7 @@ def equivalence_fit(jit):  # trains under the current strategy scope; returns th
     return {"loss": h.history["loss"], "weights": [w.ravel().tolist() for w in model.get_weights()],
             "jit": bool(model.jit_compile)}
 """
+
 # Both modes under one tf_nvlink strategy of 2 logical CPUs, in a scenario process of the slow tier.
 TWO_REPLICAS = scenarios.Scenario("single_host: two replicas", r"""
 import tensorflow as tf
