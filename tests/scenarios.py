@@ -118,19 +118,27 @@ class Scenario:
 
 
 def start_for(items):
-    """Starts, one after another in a background thread, the scenarios of the modules that `items` test."""
+    """Starts the scenarios of the modules that `items` test in background threads, in declaration order, as many
+    processes at a time as the machine has cores."""
     modules = {str(item.fspath) for item in items}
     with_slow = {str(item.fspath) for item in items if item.get_closest_marker("slow")}
     wanted = [scenario for scenario in _DECLARED
               if scenario.module in (with_slow if scenario.slow else modules)]
 
-    def run_in_turn():  # one scenario process at a time beside pytest itself: two busy cores, not more
-        for scenario in wanted:
+    queue = list(wanted)
+
+    def run_in_turn():  # each runner starts the next scenario not yet started (a test may have started it)
+        while True:
+            with _LOCK:
+                if not queue:
+                    return
+                scenario = queue.pop(0)
             scenario.start()
             scenario._done.wait()
 
-    if wanted:
-        threading.Thread(target=run_in_turn, name="scenarios", daemon=True).start()
+    # As many scenario processes at once as there are cores: the tests that wait for them mostly sleep.
+    for index in range(min(len(queue), max(1, os.cpu_count() or 1))):
+        threading.Thread(target=run_in_turn, name=f"scenarios {index}", daemon=True).start()
 
 
 def stop_all():
