@@ -10,8 +10,7 @@ The prelude runs once (imports, the logical devices, the strategy); each case bo
 the prelude's namespace and leaves its answer in `result` (anything JSON can hold). The process starts in the
 background as soon as pytest has collected a test of that module (conftest.pytest_collection_finish), so it runs
 while the in-process tests do; `INSTALL.result("fit")` waits for it and returns that case's `result`, or fails
-with the case's own traceback. Scenarios declared with `first=True` (the longest) start before the others.
-A scenario declared with `slow=True` starts in the background only when a selected
+with the case's own traceback. A scenario declared with `slow=True` starts in the background only when a selected
 test of its module is marked slow (it still starts on first use).
 """
 
@@ -49,10 +48,9 @@ _LOCK = threading.Lock()
 class Scenario:
     """One subprocess running `prelude` once, then every case of `cases` ({name: body}); see the module doc."""
 
-    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False, first=False):
+    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False):
         self.name, self.prelude, self.cases = name, prelude, dict(cases)
         self.slow = slow  # started in the background only when a selected test of its module is marked slow
-        self.first = first  # started before the others: its process runs longest, so it must not finish last
         self.env, self.timeout = dict(env or {}), timeout
         self.module = sys._getframe(1).f_globals.get("__file__")
         self._started, self._done, self._proc = False, threading.Event(), None
@@ -127,7 +125,7 @@ def start_for(items):
     wanted = [scenario for scenario in _DECLARED
               if scenario.module in (with_slow if scenario.slow else modules)]
 
-    queue = sorted(wanted, key=lambda scenario: not scenario.first)  # stable: declaration order otherwise
+    queue = list(wanted)
 
     def run_in_turn():  # each runner starts the next scenario not yet started (a test may have started it)
         while True:

@@ -170,7 +170,7 @@ FUSED = scenarios.Scenario("per_replica_steps: fused (emulated) on 2 CPUs, and o
     "fit fused": "result = fit_own_train_step(strategy, jit=True)",
     "mixed fit single": "result = fit_mixed(DEFAULT, jit=False)",
     "mixed fit fused": "result = fit_mixed(strategy, jit=True)",
-}, first=True)
+})
 SPLIT = scenarios.Scenario("per_replica_steps: split on 2 CPUs", _prelude("split"), {
     "loop": 'result = {"float32-eager": train_loop(strategy, "float32", eager=True), '
             '"mixed": train_loop(strategy, "mixed")}',
