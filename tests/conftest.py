@@ -76,7 +76,9 @@ class ModeScript:
         import json
 
         if mode not in self.results:
-            proc = run_python(self.script.replace("MODE", repr(mode)))
+            import scenarios
+
+            proc = scenarios.run_preloaded(self.script.replace("MODE", repr(mode)))  # TensorFlow imported once
             assert proc.returncode == 0, proc.stderr[-3000:]
             self.results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
         return self.results[mode]

@@ -12,10 +12,16 @@ background as soon as pytest has collected a test of that module (conftest.pytes
 while the in-process tests do; `INSTALL.result("fit")` waits for it and returns that case's `result`, or fails
 with the case's own traceback. A scenario declared with `slow=True` starts in the background only when a selected
 test of its module is marked slow (it still starts on first use).
+
+Importing TensorFlow costs seconds of CPU in every process, so the processes fork from one that imported it once
+(`run_preloaded`; a scenario with its own `env`, or `preload=False`, starts a fresh interpreter instead). The
+imported, never-used TensorFlow has fixed no device list: each forked process chooses its own layout as a fresh
+interpreter does.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +47,162 @@ for _name, _body in _cases.items():
         _answers[_name] = {"error": traceback.format_exc()}
 print("SCENARIO " + json.dumps(_answers))
 '''
+
+# The process the preloaded ones fork from: imports TensorFlow (using nothing of it), then per request line
+# (JSON: code, argv, env, and the paths of stdout, stderr, pid and exit status) forks a child in its own process
+# group that runs `code` as `python -c` would; it writes each child's exit status once the child is gone.
+_FORK_SERVER = r"""
+import json, os, select, signal, sys, traceback
+import tensorflow  # noqa: F401 - the import every child shares
+children = {}
+def reap():
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with open(children.pop(pid) + ".tmp", "w") as out:
+            out.write(str(os.waitstatus_to_exitcode(status)))
+        os.replace(out.name, out.name[:-4])
+pending, ended = b"", False
+while not ended:
+    requests = []
+    if select.select([0], [], [], 0.1)[0]:
+        chunk = os.read(0, 1 << 20)
+        ended = not chunk
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        requests = [json.loads(line) for line in lines if line]
+    for request in requests:
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+            os.environ.clear()
+            os.environ.update(request["env"])
+            sys.argv = ["-c", *request["argv"]]
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            code = 0
+            try:
+                exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        children[pid] = request["status"]
+        with open(request["pid"], "w") as out:
+            out.write(str(pid))
+    reap()
+for pid in children:  # pytest has gone: nothing waits for these
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+_FORK_SERVER_LOCK = threading.Lock()
+_fork_server = None
+
+
+def _environment(env=None):
+    """The environment of a test process: the repository and tests/ importable, then `env`."""
+    environment = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + str(ROOT / "tests") + os.pathsep
+                       + os.environ.get("PYTHONPATH", ""))
+    environment.update(env or {})
+    return environment
+
+
+class Preloaded:
+    """`python -c code argv...` run in a process forked from one that imported TensorFlow: `start_preloaded`
+    returns it at once, `wait()` gives the CompletedProcess."""
+
+    def __init__(self, code, argv, env, timeout):
+        global _fork_server
+        self.timeout, self.args = timeout, ["python", "-c", "...", *argv]
+        self.folder = tempfile.mkdtemp(prefix="tf_nvlink_preloaded_")
+        paths = {name: os.path.join(self.folder, name) for name in ("stdout", "stderr", "pid", "status")}
+        self.paths, self.began = paths, time.monotonic()
+        with _FORK_SERVER_LOCK:
+            if _fork_server is None or _fork_server.poll() is not None:
+                log = tempfile.NamedTemporaryFile("w", prefix="tf_nvlink_fork_server_", delete=False)
+                _fork_server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], env=_environment(), cwd=ROOT,
+                                                stdin=subprocess.PIPE, stdout=log, stderr=log, text=True)
+                _fork_server.log = log.name
+            _fork_server.stdin.write(json.dumps({"code": code, "argv": list(argv), "env": _environment(env),
+                                                 **paths}) + "\n")
+            _fork_server.stdin.flush()
+            self.server = _fork_server
+
+    def _read(self, name):
+        try:
+            with open(self.paths[name]) as handle:
+                return handle.read()
+        except FileNotFoundError:
+            return ""
+
+    def kill(self):
+        pid = self._read("pid")
+        if pid and not os.path.exists(self.paths["status"]):
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self):
+        """The CompletedProcess (killed after `timeout` seconds: returncode -9)."""
+        while not os.path.exists(self.paths["status"]):
+            if self.server.poll() is not None:
+                with open(self.server.log) as log:
+                    raise RuntimeError(f"the preloaded-TensorFlow process exited with {self.server.returncode}: "
+                                       f"{log.read()[-3000:]}")
+            if time.monotonic() - self.began > self.timeout:
+                self.kill()
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(self.args, int(self._read("status")), self._read("stdout"),
+                                           self._read("stderr"))
+
+
+def start_preloaded(code_or_args, env=None, timeout=600, argv=()):
+    """Starts `python -c code argv...` (str) or `python script args...` (list) with TensorFlow already imported;
+    returns a `Preloaded` at once.
+
+        process = scenarios.start_preloaded("import tensorflow as tf; print(tf.add(1, 2).numpy())")
+        assert process.wait().stdout == "3\n"
+    """
+    if isinstance(code_or_args, str):
+        return Preloaded(code_or_args, argv, env, timeout)
+    script, *argv = [str(arg) for arg in code_or_args]
+    code = (f"import runpy, sys\nsys.argv[0] = {script!r}\nsys.path.insert(0, {os.path.dirname(script)!r})\n"
+            f"runpy.run_path({script!r}, run_name='__main__')\n")
+    return Preloaded(code, argv, env, timeout)
+
+
+def run_preloaded(code_or_args, env=None, timeout=600, argv=()):
+    """`start_preloaded(...).wait()`: the CompletedProcess, as conftest.run_python gives it, TensorFlow preloaded."""
+    return start_preloaded(code_or_args, env, timeout, argv).wait()
+
+
+def stop_fork_server():
+    """Ends the preloaded-TensorFlow process (it kills the children still running)."""
+    global _fork_server
+    with _FORK_SERVER_LOCK:
+        if _fork_server is not None and _fork_server.poll() is None:
+            _fork_server.stdin.close()
+            try:
+                _fork_server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _fork_server.kill()
+        _fork_server = None
+
+
 _DECLARED = []  # every Scenario, in import order
 _LOCK = threading.Lock()
 
@@ -48,10 +210,12 @@ _LOCK = threading.Lock()
 class Scenario:
     """One subprocess running `prelude` once, then every case of `cases` ({name: body}); see the module doc."""
 
-    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False):
+    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False, preload=None):
         self.name, self.prelude, self.cases = name, prelude, dict(cases)
         self.slow = slow  # started in the background only when a selected test of its module is marked slow
         self.env, self.timeout = dict(env or {}), timeout
+        # Forked from the process that imported TensorFlow, unless its own environment must be there at import.
+        self.preload = not self.env if preload is None else preload
         self.module = sys._getframe(1).f_globals.get("__file__")
         self._started, self._done, self._proc = False, threading.Event(), None
         self._answers, self._failure = None, None
@@ -66,27 +230,30 @@ class Scenario:
         threading.Thread(target=self._run, name=f"scenario {self.name}", daemon=True).start()
 
     def _run(self):
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + str(ROOT / "tests") + os.pathsep
-                   + os.environ.get("PYTHONPATH", ""))
-        env.update(self.env)
+        env = dict(self.env)
         env.setdefault("TF_NVLINK_CACHE_DIR", tempfile.mkdtemp(prefix=f"tf_nvlink_scenario_{self.name}_"))
+        argv = [json.dumps(self.cases), self.prelude]
         began = time.monotonic()
         try:
-            self._proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(self.cases), self.prelude],
-                                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True)
-            try:
-                stdout, stderr = self._proc.communicate(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                stdout, stderr = self._proc.communicate()
-            lines = [line for line in stdout.splitlines() if line.startswith("SCENARIO ")]
-            if self._proc.returncode == 0 and lines:
+            if self.preload:
+                self._proc = Preloaded(_RUNNER, argv, env, self.timeout)
+                done = self._proc.wait()
+            else:
+                self._proc = subprocess.Popen([sys.executable, "-c", _RUNNER, *argv], env=_environment(env),
+                                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                try:
+                    stdout, stderr = self._proc.communicate(timeout=self.timeout)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    stdout, stderr = self._proc.communicate()
+                done = subprocess.CompletedProcess(self._proc.args, self._proc.returncode, stdout, stderr)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("SCENARIO ")]
+            if done.returncode == 0 and lines:
                 self._answers = json.loads(lines[-1][len("SCENARIO "):])
             else:
-                self._failure = (f"scenario process {self.name!r} exited with {self._proc.returncode} after "
-                                 f"{time.monotonic() - began:.0f} s (limit {self.timeout} s):\n{stdout[-3000:]}\n"
-                                 f"{stderr[-5000:]}")
+                self._failure = (f"scenario process {self.name!r} exited with {done.returncode} after "
+                                 f"{time.monotonic() - began:.0f} s (limit {self.timeout} s):\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-5000:]}")
         except Exception as error:  # every case of it fails with this
             self._failure = f"scenario process {self.name!r}: {type(error).__name__}: {error}"
         finally:
@@ -144,5 +311,6 @@ def start_for(items):
 def stop_all():
     """Kills the scenario processes still running (the session ends before their tests ran, e.g. -x)."""
     for scenario in _DECLARED:
-        if scenario._proc is not None and scenario._proc.poll() is None:
+        if isinstance(scenario._proc, subprocess.Popen) and scenario._proc.poll() is None:
             scenario._proc.kill()
+    stop_fork_server()

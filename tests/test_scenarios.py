@@ -41,3 +41,21 @@ def test_a_crashing_process_fails_every_case_with_its_output():
                                   cases={"any": "result = 1"})
     with pytest.raises(pytest.fail.Exception, match="exited with 3(.|\n)*prelude ran"):
         crashing.result("any")
+
+
+def test_a_preloaded_process_has_tensorflow_imported_and_its_device_list_still_open():
+    code = ("import sys, tensorflow as tf\n"
+            "imported = 'tensorflow' in sys.modules\n"
+            "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+            "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)\n"
+            "print(imported, len(tf.config.list_logical_devices('CPU')), sys.argv[1:])\n")
+    first, second = scenarios.start_preloaded(code, argv=["a", "b"]), scenarios.start_preloaded(code)
+    assert first.wait().stdout == "True 3 ['a', 'b']\n" and second.wait().stdout == "True 3 []\n"
+
+
+def test_a_preloaded_process_exits_as_python_does_and_is_killed_past_its_timeout():
+    assert scenarios.run_preloaded("import sys; print('out'); sys.exit(3)").returncode == 3
+    raised = scenarios.run_preloaded("raise KeyError('broken')")
+    assert raised.returncode == 1 and "KeyError: 'broken'" in raised.stderr
+    assert scenarios.run_preloaded("import os; print(os.environ['X'])", env={"X": "seen"}).stdout == "seen\n"
+    assert scenarios.run_preloaded("import time; time.sleep(60)", timeout=1).returncode == -9

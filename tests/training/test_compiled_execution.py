@@ -17,12 +17,10 @@ _CASES = str(Path(__file__).resolve().parent / "compiled_execution_cases.py")
 
 
 def _cases_body(layout, cases):
-    """A scenario case that runs compiled_execution_cases.py (its own process: it builds its own strategy)."""
-    return (f"import json, subprocess, sys\n"
-            f"proc = subprocess.run([sys.executable, {_CASES!r}, {layout!r}, {cases!r}], capture_output=True, "
-            f"text=True, timeout=900)\n"
-            f"assert proc.returncode == 0, proc.stderr[-3000:]\n"
-            f"result = json.loads(proc.stdout.strip().splitlines()[-1])\n")
+    """A scenario case that runs compiled_execution_cases.py as its own program (it builds its own strategy)."""
+    return (f"import runpy, sys\n"
+            f"sys.argv = [{_CASES!r}, {layout!r}, {cases!r}]\n"
+            f"result = runpy.run_path({_CASES!r}, run_name='__main__')['results']\n")
 
 
 # Started in the background when the tests are collected (tests/scenarios.py), so they run beside other tests.

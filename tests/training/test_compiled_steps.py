@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import run_python
+import scenarios
 
 _CASES = str(Path(__file__).resolve().parent / "compiled_steps_cases.py")
 
 
 def _run(layout):
-    proc = run_python([_CASES, layout], timeout=600)
+    proc = scenarios.run_preloaded([_CASES, layout], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -7,12 +7,12 @@ TensorFlow allows one strategy per process: one subprocess per device layout and
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+import scenarios
 from conftest import FUSED_CPU_EMULATION, ROOT
 from tf_nvlink.util import json_workers
 
@@ -48,17 +48,15 @@ print("RESULT " + json.dumps(out))
 
 
 def start(replicas, fused, modes, names, custom=False):
-    code = FUSED_CPU_EMULATION + DRIVER
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps([replicas, fused, modes, names, custom])],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """The driver in a process of its own (TensorFlow preloaded: tests/scenarios.py), started at once."""
+    return scenarios.start_preloaded(FUSED_CPU_EMULATION + DRIVER, env={"CUDA_VISIBLE_DEVICES": ""},
+                                     argv=[json.dumps([replicas, fused, modes, names, custom])])
 
 
 def result_of(process, timeout=600):
-    out, err = process.communicate(timeout=timeout)
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, (out + err)[-6000:]
+    done = process.wait()
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (done.stdout + done.stderr)[-6000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -78,8 +76,7 @@ def two_replicas():
         results = {name: result_of(process) for name, process in processes.items()}
     finally:
         for process in processes.values():
-            if process.poll() is None:
-                process.kill()
+            process.kill()  # those still running (a failure in another)
     return {**results["merge_call"], **results["fused"]}
 
 
@@ -114,8 +111,7 @@ def test_four_replicas_and_the_rest_of_fit_and_custom_loops_match_one_device():
         results = [result_of(process) for process in processes]
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
+            process.kill()  # those still running (a failure in another)
     for result in results:
         for mode, cases in result.items():
             count_in_xla = cases.pop("custom_loop_count_in_xla", None)
