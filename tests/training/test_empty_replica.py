@@ -78,8 +78,10 @@ if mode != "stock":  # stock Keras cannot even build a model from a first batch 
                 model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=metrics,
                               jit_compile=where == "strategy" and mode in ("split", "fused"))
             history = model.fit(cx, cy, sample_weight=weights, batch_size=32, epochs=1, shuffle=False, verbose=0)
+            evaluated = model.evaluate(cx, cy, sample_weight=weights, batch_size=32, verbose=0, return_dict=True)
             trained[where] = {"variables": [[v.path, copies(v)] for v in model.variables],
-                              "logs": {k: float(v[-1]) for k, v in history.history.items()}}
+                              "logs": {k: float(v[-1]) for k, v in history.history.items()},
+                              "evaluate": {k: float(v) for k, v in evaluated.items()}}
         result["cases"][name] = trained
 print(json.dumps(result))
 """
@@ -110,16 +112,18 @@ def test_stock_mirrored_strategy_turns_the_same_model_nan():
 
 
 def _assert_as_on_one_device(case):
-    """Every replica's copy of every variable finite and equal to the one-device model's (1e-5), logs too."""
+    """Every replica's copy of every variable finite and equal to the one-device model's (1e-5), the logs and
+    `evaluate`'s results (its last step splits 1 + 0 too) as well."""
     multi, single = case["strategy"], case["one_device"]
     assert len(multi["variables"]) == len(single["variables"])
     for (path, replicas), (_, (expected,)) in zip(multi["variables"], single["variables"]):
         for replica in replicas:
             assert np.isfinite(np.array(replica)).all(), path
             np.testing.assert_allclose(replica, expected, rtol=1e-5, atol=1e-5, err_msg=path)
-    assert multi["logs"].keys() == single["logs"].keys()
-    for key, value in single["logs"].items():
-        np.testing.assert_allclose(multi["logs"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    for results in ("logs", "evaluate"):
+        assert multi[results].keys() == single[results].keys()
+        for key, value in single[results].items():
+            np.testing.assert_allclose(multi[results][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{results} {key}")
 
 
 @pytest.mark.parametrize("mode", SLOW_PLAIN_AND_SPLIT)
@@ -138,8 +142,9 @@ def test_batch_renorm_dice_loss_and_metrics_as_on_one_device(mode):
 
 @pytest.mark.parametrize("mode", SLOW_PLAIN_AND_SPLIT)
 def test_per_output_loss_metrics_count_each_step_once(mode):
-    """65 examples, two outputs: `a_loss`/`b_loss` are one device's mean of the steps' losses (without the hooks
-    each replica counts the 1 + 0 step once, the empty one with loss 0); the weights and `loss` match too."""
+    """65 examples, two outputs: `a_loss`/`b_loss` are one device's mean of the steps' losses in fit and in
+    evaluate (without the hooks each replica counts the 1 + 0 step once, the empty one with loss 0: evaluate's
+    `a_loss` 5.10 where one device gives 7.52); the weights and `loss` match too."""
     case = _run(mode)["cases"]["two_outputs"]
     assert {"a_loss", "b_loss"} <= case["one_device"]["logs"].keys()
     _assert_as_on_one_device(case)

@@ -74,8 +74,9 @@ def replica_shares(data) -> tuple:
 
 
 def weighted_by_examples(step_function: Callable) -> Callable:
-    """`model.train_step` with each replica's loss scaled by its share of the global batch (plain mode: the
-    share's all-reduce sits in the same graph as the step).
+    """`model.train_step` (or `test_step`) with each replica's loss scaled by its share of the global batch
+    (plain mode: the share's all-reduce sits in the same graph as the step). In a test step only the logged
+    per-output losses change: each replica's counts by its share, so a step counts once, as on one device.
 
     Example:
         >>> strategy.run(weighted_by_examples(model.train_step), args=(batch,))

@@ -97,8 +97,8 @@ def _per_step_function(model, step_function: Callable, kind: str, keras_make_fun
     """(function, the step it runs per replica, whether XLA spans the function around strategy.run)."""
     if not _per_replica_wanted(model):  # replica_sync.keep_replicas_in_sync: BatchNorm statistics
         step = replica_sync.keep_replicas_in_sync(model, step_function)
-        if kind == "train" and model.distribute_strategy.num_replicas_in_sync > 1:
-            step = exact_batches.weighted_by_examples(step)  # every batch trains as on one device
+        if model.distribute_strategy.num_replicas_in_sync > 1:
+            step = exact_batches.weighted_by_examples(step)  # every batch trains and evaluates as on one device
         return keras_make_function(step), step, True
     strategy = model.distribute_strategy
     step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))

@@ -32,11 +32,17 @@ class PerReplicaXlaStep:
         self._lock = threading.Lock()
 
     @property
-    def fused(self) -> bool:
-        """Whole train step in XLA, all-reduce included (GPUs only: TensorFlow skips merge_call under XLA there)."""
+    def _all_reduces_in_program(self) -> bool:
+        """Whether the step's all-reduces (the gradients', the example count's) run inside each replica's XLA
+        program (GPUs only: TensorFlow skips merge_call under XLA there), or outside it (split mode)."""
         strategy = self.model.distribute_strategy
         whole_step = strategy.xla_allreduce == "fused" or strategy.num_replicas_in_sync == 1  # one: no all-reduce
-        return self.kind != "train" or internals.fused_allreduce_possible(strategy) and whole_step
+        return internals.fused_allreduce_possible(strategy) and whole_step
+
+    @property
+    def fused(self) -> bool:
+        """Whole train step in XLA, all-reduce included; a test step is always one program per replica."""
+        return self.kind != "train" or self._all_reduces_in_program
 
     def _fused_body(self) -> Callable:
         optimizer = self.model.optimizer
@@ -49,11 +55,23 @@ class PerReplicaXlaStep:
 
         return body
 
+    def _test_body(self) -> Callable:
+        # The replica's share of the step's examples weights its per-output loss metrics (evaluate's 1 + 0 last
+        # batch counts once, as on one device); split mode all-reduces it outside XLA and passes it in.
+        step_function = self.step_function
+
+        def body(data, shares=None):
+            shares = replica_shares(data) if shares is None else shares
+            with loss_share_while_tracing(*shares):
+                return step_function(data)
+
+        return body
+
     def body_for(self, replica_id: int) -> Callable:
         """The Python step one replica's program compiles: the whole step (test steps, fused train steps), or
         split mode's gradients with the update caught."""
         if self.kind != "train":
-            return self.step_function
+            return self._test_body()
         return self._fused_body() if self.fused else self._train_body(replica_id)
 
     def _compiled_for(self, replica_id: int):
@@ -88,6 +106,8 @@ class PerReplicaXlaStep:
     def __call__(self, data):
         replica_id = internals.replica_id()
         compiled = self._compiled_for(replica_id)
+        if self.kind != "train" and not self._all_reduces_in_program:
+            return compiled(data, replica_shares(data))  # the shares' all-reduce outside XLA (merge_call)
         if self.fused:
             return compiled(data)
         shares = replica_shares(data)  # outside XLA: split mode all-reduces through merge_call
