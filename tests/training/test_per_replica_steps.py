@@ -148,6 +148,21 @@ def fit_mixed(strategy, jit):
         keras.mixed_precision.set_global_policy("float32")
     return {"loss": history.history["loss"], "dynamic_scale": copies(optimizer.dynamic_scale),
             "iterations": copies(optimizer.iterations), "weights": [copies(v) for v in model.trainable_variables]}
+
+
+def metric_made_outside_scope(strategy):
+    """fit with a metric object made before strategy.scope(): the error, and whether any weight changed."""
+    auc = keras.metrics.AUC(name="auc_outside")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=[auc, "accuracy"], jit_compile=True)
+    before = [w.copy() for w in model.get_weights()]
+    try:
+        model.fit(x, (y > 1).astype("float32"), batch_size=32, epochs=1, verbose=0)
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    return {"error": error, "unchanged": all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))}
 '''
 
 
@@ -170,11 +185,13 @@ FUSED = scenarios.Scenario("per_replica_steps: fused (emulated) on 2 CPUs, and o
     "fit fused": "result = fit_own_train_step(strategy, jit=True)",
     "mixed fit single": "result = fit_mixed(DEFAULT, jit=False)",
     "mixed fit fused": "result = fit_mixed(strategy, jit=True)",
+    "metric outside scope": "result = metric_made_outside_scope(strategy)",
 })
 SPLIT = scenarios.Scenario("per_replica_steps: split on 2 CPUs", _prelude("split"), {
     "loop": 'result = {"float32-eager": train_loop(strategy, "float32", eager=True), '
             '"mixed": train_loop(strategy, "mixed")}',
     "jit around strategy.run": "jit_around_strategy_run(strategy)",
+    "metric outside scope": "result = metric_made_outside_scope(strategy)",
 })
 # The slow tier's split runs, and fit without XLA: the same hooks as the default run's fused and split cases.
 SPLIT_SLOW = scenarios.Scenario("per_replica_steps: split on 2 CPUs (slow tier)", _prelude("split"), {
@@ -283,3 +300,14 @@ def test_mixed_precision_fit_skips_overflowing_steps_on_every_replica(mode):
     for replicas, (reference,) in zip(multi["weights"], single["weights"]):
         np.testing.assert_array_equal(replicas[0], replicas[1])
         np.testing.assert_allclose(replicas[0], reference, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+def test_a_metric_made_outside_the_scope_is_refused_by_name_before_any_step(mode):
+    """A metric object built before strategy.scope() holds plain variables on one device: replica 1's XLA program
+    cannot read them (split: "Trying to access resource ... located in device CPU:0 from device CPU:1"; fused:
+    the step hung). fit refuses it by name while tracing, before any weight changes."""
+    result = (FUSED if mode == "fused" else SPLIT).result("metric outside scope")
+    assert result["error"] is not None and result["unchanged"]
+    assert result["error"].startswith("The metric(s) 'auc_outside' were created outside strategy.scope()")
+    assert "metrics=[\"auc\"]" in result["error"] and "jit_compile=False" in result["error"]

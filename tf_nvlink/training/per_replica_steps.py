@@ -71,8 +71,17 @@ class PerReplicaXlaStep:
         """The Python step one replica's program compiles: the whole step (test steps, fused train steps), or
         split mode's gradients with the update caught."""
         if self.kind != "train":
-            return self._test_body()
-        return self._fused_body() if self.fused else self._train_body(replica_id)
+            body = self._test_body()
+        else:
+            body = self._fused_body() if self.fused else self._train_body(replica_id)
+        model = self.model
+
+        def checked(*args):
+            result = body(*args)
+            refuse_metrics_outside_scope(model)  # built by now: the step's first trace creates them
+            return result
+
+        return checked
 
     def _compiled_for(self, replica_id: int):
         with self._lock:
@@ -118,6 +127,27 @@ class PerReplicaXlaStep:
                 # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
                 optimizer.apply(call_grads, variables)
         return logs
+
+
+def refuse_metrics_outside_scope(model) -> None:
+    """Raise a ValueError naming the model's metrics whose variables were created outside the strategy's scope
+    (several replicas only): such a variable lives on one device, and another replica's XLA program cannot read
+    it (TensorFlow fails with "Trying to access resource ... located in device ..."; a fused step may hang).
+
+    Example:
+        >>> refuse_metrics_outside_scope(model)  # after the step's first trace built the compiled metrics
+    """
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync < 2:
+        return
+    outside = sorted({variable.path.split("/")[0] for variable in model.metrics_variables
+                      if not strategy.extended.variable_created_in_scope(getattr(variable, "value", variable))})
+    if outside:
+        raise ValueError(
+            f"The metric(s) {', '.join(map(repr, outside))} were created outside strategy.scope(): their variables "
+            f"live on one device, which the other {strategy.num_replicas_in_sync - 1} replica(s)' XLA programs "
+            "cannot read. Create them inside `with strategy.scope():` (as the model), or pass their names as "
+            "strings (e.g. metrics=[\"auc\"]); jit_compile=False also runs them as stock MirroredStrategy does.")
 
 
 class PerReplicaCustomStep:
