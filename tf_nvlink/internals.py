@@ -50,6 +50,8 @@ class HookState:
     is_ours: Callable[[object], bool] = lambda strategy: False
     # Tests only (`emulate_fused_mode_on_cpu`): per-replica steps compile without XLA, fused mode on CPU replicas.
     fused_emulated_on_cpu: bool = False
+    # Whether the per-output sample weights warning (`loss_share_while_tracing`) was logged in this process.
+    warned_per_output_weights: bool = False
 
 
 _STATE = HookState()
@@ -59,6 +61,7 @@ def reset_hooks_for_tests() -> None:
     """Restore Keras' own methods and forget any install problem, as in a fresh process."""
     uninstall_keras_hooks()
     _STATE.problem = None
+    _STATE.warned_per_output_weights = False
 
 
 def keras_hook_problem() -> str | None:
@@ -1072,9 +1075,11 @@ def loss_share_while_tracing(share, weight_share=None):
     it for the logged loss with `unscale_loss_for_distribution`; with a last batch split 1 + 0 the step's
     gradient is then half the single-device one. The hooks (`_install_loss_share_hooks`) read this thread-local
     share; with none set they run Keras' own functions. `reduce_values` (the weighted reductions) is hooked too:
-    for "mean_with_sample_weight" with weights it scales by the weight share."""
+    for "mean_with_sample_weight" with weights it scales by the weight share. `weight_share=None` means the step's
+    weights have no single share (one tensor per output): such a loss takes `share` and a warning is logged."""
     with _thread_setting(_LOSS_SHARE, "value", share), \
-            _thread_setting(_LOSS_SHARE, "weight", share if weight_share is None else weight_share):
+            _thread_setting(_LOSS_SHARE, "weight", share if weight_share is None else weight_share), \
+            _thread_setting(_LOSS_SHARE, "weight_unknown", weight_share is None):
         yield
 
 
@@ -1103,6 +1108,13 @@ def _install_loss_share_hooks() -> None:
         weight_share = getattr(_LOSS_SHARE, "weight", None)
         if weight_share is None or reduction != "mean_with_sample_weight" or sample_weight is None:
             return reduce_values(values, sample_weight, reduction)
+        if getattr(_LOSS_SHARE, "weight_unknown", False) and not _STATE.warned_per_output_weights:
+            _STATE.warned_per_output_weights = True
+            log.warning("tf_nvlink: a reduction='mean_with_sample_weight' loss of a model with several outputs, "
+                        "given sample weights: each replica's loss is scaled by its share of the examples, not "
+                        "of the weights, so steps whose weights are uneven across the replicas differ from one "
+                        "device. Use the default reduction (sum_over_batch_size) to train exactly as on one "
+                        "device.")
         with _thread_setting(_LOSS_SHARE, "value", weight_share):  # its divisor is the replica's weights
             return reduce_values(values, sample_weight, reduction)
 

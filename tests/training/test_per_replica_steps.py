@@ -150,6 +150,34 @@ def fit_mixed(strategy, jit):
             "iterations": copies(optimizer.iterations), "weights": [copies(v) for v in model.trainable_variables]}
 
 
+def per_output_weights_warning(strategy):
+    """mean_with_sample_weight with sample weights: one output (exact, no warning), then two outputs (each
+    output's weights: the example share, and the warning once)."""
+    import logging
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("tf_nvlink").addHandler(handler)
+    weights = rng.uniform(0.5, 2.0, size=128).astype("float32")
+    target = rng.normal(size=(128, 1)).astype("float32")
+    seen = {}
+    try:
+        for outputs in (1, 2):
+            with strategy.scope():
+                inputs = keras.Input((8,))
+                heads = [keras.layers.Dense(1)(inputs) for _ in range(outputs)]
+                model = keras.Model(inputs, heads if outputs > 1 else heads[0])
+                loss = [keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")] * outputs
+                model.compile(optimizer="sgd", loss=loss if outputs > 1 else loss[0], jit_compile=True)
+            model.fit(x, (target,) * outputs if outputs > 1 else target, sample_weight=weights, batch_size=32,
+                      epochs=1, verbose=0)
+            seen[outputs] = [w for w in warnings if "mean_with_sample_weight" in w]
+    finally:
+        logging.getLogger("tf_nvlink").removeHandler(handler)
+    return {str(k): v for k, v in seen.items()}
+
+
 def metric_made_outside_scope(strategy):
     """fit with a metric object made before strategy.scope(): the error, and whether any weight changed."""
     auc = keras.metrics.AUC(name="auc_outside")
@@ -186,6 +214,7 @@ FUSED = scenarios.Scenario("per_replica_steps: fused (emulated) on 2 CPUs, and o
     "mixed fit single": "result = fit_mixed(DEFAULT, jit=False)",
     "mixed fit fused": "result = fit_mixed(strategy, jit=True)",
     "metric outside scope": "result = metric_made_outside_scope(strategy)",
+    "per-output weights": "result = per_output_weights_warning(strategy)",
 })
 SPLIT = scenarios.Scenario("per_replica_steps: split on 2 CPUs", _prelude("split"), {
     "loop": 'result = {"float32-eager": train_loop(strategy, "float32", eager=True), '
@@ -311,3 +340,11 @@ def test_a_metric_made_outside_the_scope_is_refused_by_name_before_any_step(mode
     assert result["error"] is not None and result["unchanged"]
     assert result["error"].startswith("The metric(s) 'auc_outside' were created outside strategy.scope()")
     assert "metrics=[\"auc\"]" in result["error"] and "jit_compile=False" in result["error"]
+
+
+def test_per_output_sample_weights_with_mean_with_sample_weight_are_named_in_a_warning():
+    """One weight tensor per output has no single replica share: the loss keeps the example share (not exact
+    when weights are uneven across the replicas) and the log says so, once; a one-output model is exact, silent."""
+    seen = FUSED.result("per-output weights")
+    assert seen["1"] == []
+    assert len(seen["2"]) == 1 and "several outputs" in seen["2"][0] and "sum_over_batch_size" in seen["2"][0]

@@ -61,13 +61,17 @@ def replica_shares(data) -> tuple:
     """In a replica context, for one replica's batch `data`: (its share of the step's examples, its share of the
     step's sample weights). Without sample weights (`data` is not (x, y, sample_weight)) both are the first.
     The weight share is the scale of a `reduction="mean_with_sample_weight"` loss, whose divisor is the sum of the
-    weights, as the example share is of the other reductions'.
+    weights, as the example share is of the other reductions'. With one weight tensor per output (a model with
+    several outputs) no single share is right for every output: the weight share is None, and such a loss gets
+    the example share and a warning (`internals.loss_share_while_tracing`).
 
     Example:
         >>> shares = strategy.run(replica_shares, args=(batch,))
     """
     share = replica_share(examples_in(data))
     weights = data[2] if isinstance(data, (tuple, list)) and len(data) == 3 else None
+    if weights is not None and len(tf.nest.flatten(weights)) > 1:
+        return share, None  # per-output weights: see above
     if weights is None or not hasattr(weights, "dtype") or not weights.dtype.is_floating:
         return share, share
     return share, replica_share(tf.reduce_sum(tf.cast(weights, tf.float32)))
