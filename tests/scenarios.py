@@ -21,6 +21,7 @@ interpreter does.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,7 +158,7 @@ class Preloaded:
                 pass
 
     def wait(self):
-        """The CompletedProcess (killed after `timeout` seconds: returncode -9)."""
+        """The CompletedProcess (killed after `timeout` seconds: returncode -9); its files are then removed."""
         while not os.path.exists(self.paths["status"]):
             if self.server.poll() is not None:
                 with open(self.server.log) as log:
@@ -166,8 +167,10 @@ class Preloaded:
             if time.monotonic() - self.began > self.timeout:
                 self.kill()
             time.sleep(0.05)
-        return subprocess.CompletedProcess(self.args, int(self._read("status")), self._read("stdout"),
+        done = subprocess.CompletedProcess(self.args, int(self._read("status")), self._read("stdout"),
                                            self._read("stderr"))
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return done
 
 
 def start_preloaded(code_or_args, env=None, timeout=600, argv=()):
@@ -200,6 +203,8 @@ def stop_fork_server():
                 _fork_server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 _fork_server.kill()
+        if _fork_server is not None:
+            os.unlink(_fork_server.log)
         _fork_server = None
 
 

@@ -53,7 +53,7 @@ def start(replicas, fused, modes, names, custom=False):
                                      argv=[json.dumps([replicas, fused, modes, names, custom])])
 
 
-def result_of(process, timeout=600):
+def result_of(process):
     done = process.wait()
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (done.stdout + done.stderr)[-6000:]

@@ -12,7 +12,7 @@ from tf_nvlink import internals
 from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, build_optimizer,
                                  loss_share_while_tracing, merge_call_explained, only_first_replica_variables,
                                  optimizer_calls, replica_local)
-from tf_nvlink.training.exact_batches import replica_shares
+from tf_nvlink.training.exact_batches import replica_shares, weighted_by_examples
 
 
 class PerReplicaXlaStep:
@@ -58,10 +58,11 @@ class PerReplicaXlaStep:
     def _test_body(self) -> Callable:
         # The replica's share of the step's examples weights its per-output loss metrics (evaluate's 1 + 0 last
         # batch counts once, as on one device); split mode all-reduces it outside XLA and passes it in.
+        if self._all_reduces_in_program:
+            return weighted_by_examples(self.step_function)
         step_function = self.step_function
 
-        def body(data, shares=None):
-            shares = replica_shares(data) if shares is None else shares
+        def body(data, shares):
             with loss_share_while_tracing(*shares):
                 return step_function(data)
 
