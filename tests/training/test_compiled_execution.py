@@ -217,26 +217,6 @@ def test_a_full_execution_loop_has_a_trip_count_xla_knows(tf):
     assert partial(batches, tf.constant(2))["total"].numpy() == 3.0 * (0 + 1)
 
 
-def test_int32_leaves_cross_into_the_execution_as_uint32_and_come_back_unchanged(tf):
-    """int32 leaves (token ids, labels) go into the function running the programs bitcast to uint32, so TensorFlow
-    keeps them on the device (it hands int32 function arguments over in host memory); the program bitcasts them
-    back. Values survive exactly (negative ones too); other dtypes, uint32 included, are not touched."""
-    from tf_nvlink.training.compiled_execution import ints_sent_as_uint32, restored_ints
-
-    strategy = tf.distribute.get_strategy()
-    batches = tuple({"tokens": tf.constant([[-7, 0], [2**31 - 1, -2**31]], tf.int32) + i,
-                     "hashed": tf.constant([1, 2**32 - 1], tf.uint32), "x": tf.constant([0.5, 1.5])}
-                    for i in range(3))
-    sent, int_leaves = ints_sent_as_uint32(batches, strategy)
-    assert int_leaves == (1,)  # flat order of the dict: hashed, tokens, x
-    assert [leaf.dtype for leaf in tf.nest.flatten(sent[0])] == [tf.uint32, tf.uint32, tf.float32]
-    for original, crossed in zip(batches, sent):
-        back = tf.function(lambda batch: restored_ints(batch, int_leaves), jit_compile=False)(crossed)
-        assert back["tokens"].dtype == tf.int32 and back["hashed"].dtype == tf.uint32
-        tf.nest.map_structure(np.testing.assert_array_equal, original, back)
-    assert ints_sent_as_uint32(({"x": tf.constant([1.0])},), strategy)[1] == ()
-
-
 def test_pinned_batches_hold_the_same_batches_in_the_same_structure(tf):
     """The compiled execution's host stage (each batch through tf.data's map-and-batch, which allocates pinned
     memory on GPU machines) yields every batch unchanged, the short last one included, for tuple, dict and single

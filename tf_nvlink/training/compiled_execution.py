@@ -155,64 +155,10 @@ def execution_body(step_body: Callable, full: bool) -> Callable:
     return execution
 
 
-def ints_sent_as_uint32(batches: tuple, strategy) -> tuple[tuple, tuple[int, ...]]:
-    """(`batches` with every int32 leaf bitcast to uint32 on its own device, the flat positions of those leaves):
-    what the function running an execution's programs takes. The batches' leaves must be dense tensors of one
-    structure and dtype per position (a run of `_same_shape_runs`).
-
-    Why: TensorFlow hands int32 arguments of a function called eagerly over in host memory, so an int32 batch
-    (token ids, labels) already on a GPU was copied to the host and back, and that device-to-host copy waited for
-    every kernel queued before it: the host could not launch the next execution until the running one had ended
-    (1x H200: the GPU idled about 12 ms between the Transformer's executions). A bitcast moves no data, and
-    `restored_ints` undoes it inside the replica's XLA program.
-
-    Example:
-        >>> sent, int_leaves = ints_sent_as_uint32((batch_a, batch_b), strategy)   # (tokens, labels) batches
-        >>> int_leaves
-        (0, 1)
-    """
-    if not batches:
-        return batches, ()
-    first = tf.nest.flatten(batches[0])
-    positions = tuple(i for i, leaf in enumerate(first)
-                      if all(t.dtype == tf.int32 for t in strategy.experimental_local_results(leaf)))
-    if not positions:
-        return batches, ()
-
-    def sent(leaf):
-        parts = [_bitcast_on_its_device(t, tf.uint32) for t in strategy.experimental_local_results(leaf)]
-        if not isinstance(leaf, tf.distribute.DistributedValues):
-            return parts[0]
-        return strategy.experimental_distribute_values_from_function(
-            lambda context: parts[context.replica_id_in_sync_group])
-
-    converted = []
-    for batch in batches:
-        flat = tf.nest.flatten(batch)
-        converted.append(tf.nest.pack_sequence_as(
-            batch, [sent(leaf) if i in positions else leaf for i, leaf in enumerate(flat)]))
-    return tuple(converted), positions
-
-
-def restored_ints(batch, int_leaves: tuple[int, ...]):
-    """`batch` (inside a replica's program) with the leaves at `int_leaves` bitcast back to int32."""
-    if not int_leaves:
-        return batch
-    flat = tf.nest.flatten(batch)
-    return tf.nest.pack_sequence_as(batch, [tf.bitcast(leaf, tf.int32) if i in int_leaves else leaf
-                                            for i, leaf in enumerate(flat)])
-
-
-def _bitcast_on_its_device(tensor, dtype):
-    with tf.device(tensor.device):
-        return tf.bitcast(tensor, dtype)
-
-
 class ReplicaPrograms:
     """One compiled program per replica and kind of execution, run by `strategy.run`: `make_body(replica_id,
     full)` gives the Python function a replica compiles, called as `body(batches)` for a full execution (its
     loop count, `len(batches)`, known to XLA) and `body(batches, count)` for a partial one (a tensor count).
-    Batches whose int32 leaves were sent as uint32 (`ints_sent_as_uint32`) get them back as int32 first.
 
     Example:
         >>> programs = ReplicaPrograms(strategy, lambda replica_id, full: execution_body)
@@ -221,29 +167,23 @@ class ReplicaPrograms:
 
     def __init__(self, strategy, make_body: Callable[[int, bool], Callable]):
         self.strategy, self.make_body = strategy, make_body
-        # (replica, full, positions of the int32 leaves sent as uint32) -> its tf.function
-        self._programs: dict[tuple[int, bool, tuple], Any] = {}
+        self._programs: dict[tuple[int, bool], Any] = {}  # (replica, full) -> its tf.function
         self._lock = threading.Lock()
 
-    def program_for(self, replica_id: int, full: bool, int_leaves: tuple[int, ...] = ()):
+    def program_for(self, replica_id: int, full: bool):
         """The replica's tf.function for a full (True) or a partial execution, made on first use."""
-        key = (replica_id, full, tuple(int_leaves))
         with self._lock:
-            if key not in self._programs:
-                body = self.make_body(replica_id, full)
-                self._programs[key] = tf.function(
-                    (lambda batches, *count: body(tuple(restored_ints(b, key[2]) for b in batches), *count))
-                    if int_leaves else body,
-                    jit_compile=internals.per_replica_jit_compile(), autograph=False)
-            return self._programs[key]
+            if (replica_id, full) not in self._programs:
+                self._programs[(replica_id, full)] = tf.function(
+                    self.make_body(replica_id, full), jit_compile=internals.per_replica_jit_compile(),
+                    autograph=False)
+            return self._programs[(replica_id, full)]
 
-    def run(self, batches, count=None, int_leaves: tuple[int, ...] = ()):
-        """Each replica's program on its share of `batches`: a full execution when `count` is None. `int_leaves`:
-        the flat positions of the batches' leaves sent as uint32 (`ints_sent_as_uint32`)."""
+    def run(self, batches, count=None):
+        """Each replica's program on its share of `batches`: a full execution when `count` is None."""
         if count is None:
-            return self.strategy.run(lambda b: self.program_for(internals.replica_id(), True, int_leaves)(b),
-                                     args=(batches,))
-        return self.strategy.run(lambda b, c: self.program_for(internals.replica_id(), False, int_leaves)(b, c),
+            return self.strategy.run(lambda b: self.program_for(internals.replica_id(), True)(b), args=(batches,))
+        return self.strategy.run(lambda b, c: self.program_for(internals.replica_id(), False)(b, c),
                                  args=(batches, count))
 
     def traced(self) -> dict[str, list[int]]:
@@ -255,9 +195,8 @@ class ReplicaPrograms:
         """
         with self._lock:
             programs = dict(self._programs)
-        replicas = sorted({replica for replica, _, _ in programs})
-        return {kind: [sum(program.experimental_get_tracing_count()
-                           for (replica, is_full, _), program in programs.items() if (replica, is_full) == (r, full))
+        replicas = sorted({replica for replica, _ in programs})
+        return {kind: [programs[(r, full)].experimental_get_tracing_count() if (r, full) in programs else 0
                        for r in replicas]
                 for kind, full in (("full", True), ("partial", False))}
 
@@ -290,8 +229,8 @@ class CompiledExecution:
         self._ahead_of: Callable[[], Any] = lambda: None
         self._checked_memory = False
         self._outer = tf.function(
-            lambda batches, count=None, int_leaves=(): internals.reduce_step_outputs(
-                self.programs.run(batches, count, int_leaves), self.strategy), autograph=False)
+            lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
+                                                                      self.strategy), autograph=False)
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
@@ -328,13 +267,12 @@ class CompiledExecution:
                     outputs = self.one_step(batch)
                 continue
             self._check_memory(group[0])
-            sent, int_leaves = ints_sent_as_uint32(tuple(group), self.strategy)
             with _explained_oom(self, group[0]):
                 if len(group) == self.steps:
-                    outputs = self._outer(sent, None, int_leaves)
+                    outputs = self._outer(tuple(group))
                 else:  # never run: the count says so
-                    padded = sent + (sent[-1],) * (self.steps - len(sent))
-                    outputs = self._outer(padded, tf.constant(len(group), tf.int32), int_leaves)
+                    padded = tuple(group) + (group[-1],) * (self.steps - len(group))
+                    outputs = self._outer(padded, tf.constant(len(group), tf.int32))
             self.programs_run += 1
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             self._take_ahead(iterator)

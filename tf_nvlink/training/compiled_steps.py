@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_nvlink import internals
 from tf_nvlink.distribute import base
 from tf_nvlink.training.compiled_execution import (ReplicaPrograms, _carried_start, _loop, _next_or_none, _signature,
-                                                     _stackable, ints_sent_as_uint32)
+                                                     _stackable)
 
 
 class CompiledSteps:
@@ -71,12 +71,11 @@ class CompiledSteps:
         if self.mode != "fused" or not all(_stackable(batch, self.strategy) for batch in batches):
             return self._one_at_a_time(tuple(batches)), len(batches)
         try:
-            sent, int_leaves = ints_sent_as_uint32(tuple(batches), self.strategy)  # int32 stays on the GPUs
             if len(batches) == self.steps:  # the loop's trip count is known to XLA
-                outputs = self._outer(sent, None, int_leaves)
+                outputs = self._outer(tuple(batches))
             else:
-                padded = sent + (sent[-1],) * (self.steps - len(sent))  # never run: count says so
-                outputs = self._outer(padded, tf.constant(len(batches), tf.int32), int_leaves)
+                padded = tuple(batches) + (batches[-1],) * (self.steps - len(batches))  # never run: count says so
+                outputs = self._outer(padded, tf.constant(len(batches), tf.int32))
         except Exception as error:  # AutoGraph may re-raise a copy of tf_nvlink's error: matched by its text
             if "is not built yet" not in str(error):
                 raise
