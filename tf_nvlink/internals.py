@@ -149,14 +149,15 @@ def fully_built(model) -> bool:
         part is None or part.built for part in compiled)
 
 
-def symbolic_build_from_one_replica(model, iterator=None, data_batch=None) -> None:
+def symbolic_build_from_one_replica(model, iterator=None, data_batch=None, restore=None) -> None:
     """Keras' `TensorFlowTrainer._maybe_symbolic_build` (3.12 to 3.15), building from the first replica's share
     of the first batch instead of the MEAN of all replicas' shares.
 
     Why: Keras reduces the per-replica batches with `strategy.reduce("MEAN")` only to get one batch whose shapes
     build the model, and that AddN fails when the shares differ in size (`batch_size=5` on 2 replicas: "Inputs
     to operation AddN ... must have the same size and shape. Input 0: [3,8] != input 1: [2,8]"). One replica's
-    share has the same structure and feature shapes. Private Keras touched: `model._symbolic_build`."""
+    share has the same structure and feature shapes. `restore(batch)`, when given, turns a staged batch back into
+    what the model takes (the compiled execution's int32 parts). Private Keras touched: `model._symbolic_build`."""
     if model._distribute_strategy is None:  # noqa: SLF001 - as Keras: build when the step is traced
         return
     strategy = model.distribute_strategy
@@ -166,6 +167,8 @@ def symbolic_build_from_one_replica(model, iterator=None, data_batch=None) -> No
                 lambda value: strategy.experimental_local_results(value)[0]
                 if isinstance(value, tf.distribute.DistributedValues) else value, next(batches))
             break
+    if restore is not None:
+        data_batch = restore(data_batch)
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
 
@@ -703,8 +706,9 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
       makes a distributed iterator at every fit/evaluate only to build nothing (about 100 ms per call on a CPU).
       Before that, the build takes the first replica's share of the first batch
       (`symbolic_build_from_one_replica`): Keras' MEAN of the shares fails when they differ in size. First of
-      all, where `input_staging(model)` names (a depth, a transform or None), the epoch's input is distributed
-      again with that many batches prefetched to each device, transformed first (`restage_input`).
+      all, where `input_staging(model)` names (a depth, a transform or None, a batch restore), the epoch's input
+      is distributed again with that many batches prefetched to each device, transformed first (`restage_input`),
+      and the build takes its batch restored.
     - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (`_install_optimizer_hooks`).
     - `keras.src.losses.loss.scale_loss_for_distribution` / `unscale_loss_for_distribution`
       (`_install_loss_share_hooks`, the exact-batch rule).
@@ -758,13 +762,13 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
             def _maybe_symbolic_build(self, iterator=None, data_batch=None):
                 if not is_ours(self.distribute_strategy):
                     return keras_build(self, iterator=iterator, data_batch=data_batch)
-                if iterator is not None:
-                    staging = input_staging(self)
-                    if staging:
-                        restage_input(self, iterator, *staging)
+                staging = input_staging(self) if iterator is not None else None
+                if staging:
+                    restage_input(self, iterator, staging[0], staging[1])
                 if fully_built(self):
                     return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
-                return symbolic_build_from_one_replica(self, iterator=iterator, data_batch=data_batch)
+                return symbolic_build_from_one_replica(self, iterator=iterator, data_batch=data_batch,
+                                                       restore=staging[2] if staging else None)
 
             trainer._maybe_symbolic_build = _maybe_symbolic_build
         _install_optimizer_hooks()

@@ -242,7 +242,37 @@ def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf)
     from tf_nvlink.training import compiled_execution
 
     model = _model()
-    assert compiled_execution.input_staging(model) == (4, compiled_execution.pinned_batches)
+    depth, transform, restore = compiled_execution.input_staging(model)
+    assert (depth, restore) == (4, compiled_execution.restored_ints)
+    dataset = tf.data.Dataset.from_tensors((np.ones((2, 3), "float32"), np.arange(2, dtype="int32"))).repeat(3)
+    staged = transform(dataset)
+    assert isinstance(staged.element_spec[1], compiled_execution.Int32Bits)
+    assert next(iter(staged))[0].dtype == tf.float32
     model.train_function = types.SimpleNamespace(pinned_input=False)  # the benchmark's pageable setup
-    assert compiled_execution.input_staging(model) == (4, None)
+    assert compiled_execution.input_staging(model)[1] is compiled_execution.int32_as_bits
     assert compiled_execution.input_staging(_model(compiled=False)) is None
+
+
+def test_int32_parts_travel_as_uint32_bits_and_come_back_unchanged(tf):
+    """The compiled execution's input carries int32 parts (token ids, labels) as uint32 bits, so TensorFlow's
+    prefetch to the GPU does not copy them through the host; `restored_ints` (the program's first step) gives the
+    batch back exactly, negative values included. Other dtypes, uint32 too, and datasets with ragged parts are
+    left alone."""
+    from tf_nvlink.training.compiled_execution import Int32Bits, int32_as_bits, restored_ints
+
+    tokens = np.array([[-7, 0], [2**31 - 1, -2**31]], "int32")
+    hashed = np.array([[1, 2**32 - 1], [3, 4]], "uint32")
+    for element in ((tokens, hashed), {"tokens": tokens, "hashed": hashed}, tokens):
+        dataset = tf.data.Dataset.from_tensor_slices(element).batch(2)
+        staged = int32_as_bits(dataset)
+        carried = next(iter(staged))
+        assert all(leaf.dtype in (tf.uint32,) for leaf in tf.nest.flatten(carried))
+        back = tf.function(restored_ints, jit_compile=False)(carried)
+        assert tf.nest.map_structure(lambda t: t.dtype, back) == tf.nest.map_structure(
+            lambda t: t.dtype, dataset.element_spec)
+        tf.nest.map_structure(np.testing.assert_array_equal, next(iter(dataset)), back)
+    assert isinstance(restored_ints((Int32Bits(tf.constant([5], tf.uint32)),))[0], tf.Tensor)
+    plain = tf.data.Dataset.from_tensor_slices(np.ones((2, 2), "float32"))
+    assert int32_as_bits(plain) is plain
+    ragged = tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [1, 2]])).batch(2)
+    assert int32_as_bits(ragged) is ragged
