@@ -10,6 +10,9 @@ after a warm-up fit that compiles:
   count-on-device  the compiled execution with its loop count passed as a tensor for full executions too (as a
                partial execution runs): XLA then reads the loop condition on the host after every step, the cost
                the known trip count removes;
+  deep         the compiled execution with 2N batches prefetched to each device (`input_buffer=2N`): the next
+               execution's batches are then fetched while the one before it runs (TensorFlow's prefetch to the
+               GPU copies an element only after the kernels queued before the copy);
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
   torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
@@ -48,8 +51,8 @@ from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
-SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "resident", "torch")
-COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "resident", "advised")
+SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "deep", "resident", "torch")
+COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "deep", "resident", "advised")
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
@@ -71,9 +74,10 @@ _JSON = flags.DEFINE_string("json", "", "Write every measurement to this JSON fi
 _OUTPUT = flags.DEFINE_string("output_dir", "compiled_execution_out", "Where the doctor's files go.")
 
 
-def plan_for(strategy, setup: str):
-    """The strategy's plan as `setup` runs it: compiled execution on or off."""
-    return dataclasses.replace(strategy.plan, compiled_execution=setup in COMPILED_SETUPS + ("spe=1",))
+def plan_for(strategy, setup: str, n: int):
+    """The strategy's plan as `setup` runs it: compiled execution on or off, 2N batches prefetched for "deep"."""
+    plan = dataclasses.replace(strategy.plan, compiled_execution=setup in COMPILED_SETUPS + ("spe=1",))
+    return dataclasses.replace(plan, input_buffer=2 * n) if setup == "deep" else plan
 
 
 def count_on_device(model) -> None:
@@ -133,7 +137,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     doctor_report = None
 
     def add(setup, n):
-        plans[setup] = plan_for(strategy, setup)
+        plans[setup] = plan_for(strategy, setup, n)
         set_plan(strategy, plans[setup])
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
                                              resident=setup == "resident")

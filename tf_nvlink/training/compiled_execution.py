@@ -331,8 +331,9 @@ class CompiledExecution:
 
     def staged_bytes(self, batch) -> int:
         """Device bytes the input stages per replica: the execution's N batches and their stacked copy, the next
-        execution's N taken ahead, and N more prefetched."""
-        return 4 * self.steps * batch_bytes_per_replica(batch, self.strategy)
+        execution's N taken ahead, and the batches prefetched (`input_depth`, N unless `input_buffer` is more)."""
+        depth = input_depth(self.model) or self.steps
+        return (3 * self.steps + depth) * batch_bytes_per_replica(batch, self.strategy)
 
     def _check_memory(self, batch) -> None:
         if self._checked_memory:
