@@ -13,6 +13,8 @@ after a warm-up fit that compiles:
   deep         the compiled execution with 2N batches prefetched to each device (`input_buffer=2N`): the next
                execution's batches are then fetched while the one before it runs (TensorFlow's prefetch to the
                GPU copies an element only after the kernels queued before the copy);
+  host-input   the compiled execution with its batches kept in pinned host memory (not prefetched to the GPU):
+               the execution's function copies them, so no element waits for a device-to-host copy;
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
   torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
@@ -51,8 +53,8 @@ from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
-SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "deep", "resident", "torch")
-COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "deep", "resident", "advised")
+SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "deep", "host-input", "resident", "torch")
+COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "deep", "host-input", "resident", "advised")
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
@@ -144,6 +146,8 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
         if setup == "pageable":
             model.train_function.pinned_input = False  # the next fits' input is distributed from pageable memory
+        if setup == "host-input":
+            model.train_function.input_to_device = False  # the next fits' batches stay in host memory
         if setup == "count-on-device":
             count_on_device(model)
             compile_s[setup] += timed_fit(model, dataset, 2 * n)  # the program with the tensor count compiles

@@ -118,14 +118,15 @@ def uninstall_keras_hooks() -> None:
             del _STATE.originals[name]
 
 
-def restage_input(model, epoch_iterator, depth, transform=None) -> bool:
+def restage_input(model, epoch_iterator, depth, transform=None, to_device=True) -> bool:
     """Distribute the input of Keras' `TFEpochIterator` again, `depth` batches prefetched to each replica's device
     (before any of its iterators exists); returns whether it did. Touches `TFEpochIterator._distributed_dataset`
     (Keras 3.12 to 3.15), set in its `__init__` from the strategy's `experimental_distribute_dataset` with no
     options. Why: the compiled execution takes N batches at once, and with TensorFlow's one batch prefetched the
     copies of the other N - 1 wait behind the running program (ResNet-50, 1x H200: 5100 img/s with 1, 5343 with
     16). `transform(dataset)`, when given, runs on the host dataset first (the compiled execution's pinned host
-    batches). A dataset the user distributed is left alone."""
+    batches). `to_device=False` keeps the batches in host memory (prefetched `depth` deep there), and the function
+    that takes them copies them to the replicas' devices. A dataset the user distributed is left alone."""
     if not depth or not hasattr(epoch_iterator, "_distributed_dataset"):
         return False
     dataset = epoch_iterator.data_adapter.get_tf_dataset()
@@ -133,7 +134,9 @@ def restage_input(model, epoch_iterator, depth, transform=None) -> bool:
         return False
     if transform is not None:
         dataset = transform(dataset)
-    options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
+    if not to_device:
+        dataset = dataset.prefetch(int(depth))
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=bool(to_device),
                                          experimental_per_replica_buffer_size=int(depth))
     epoch_iterator._distributed_dataset = model.distribute_strategy.experimental_distribute_dataset(  # noqa: SLF001
         dataset, options=options)
@@ -706,9 +709,9 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
       makes a distributed iterator at every fit/evaluate only to build nothing (about 100 ms per call on a CPU).
       Before that, the build takes the first replica's share of the first batch
       (`symbolic_build_from_one_replica`): Keras' MEAN of the shares fails when they differ in size. First of
-      all, where `input_staging(model)` names (a depth, a transform or None, a batch restore), the epoch's input
-      is distributed again with that many batches prefetched to each device, transformed first (`restage_input`),
-      and the build takes its batch restored.
+      all, where `input_staging(model)` names a staging (a depth, a host transform, a batch restore, on the devices
+      or not), the epoch's input is distributed again with that many batches prefetched, transformed first
+      (`restage_input`), and the build takes its batch restored.
     - `BaseOptimizer.apply`, `LossScaleOptimizer.apply` (`_install_optimizer_hooks`).
     - `keras.src.losses.loss.scale_loss_for_distribution` / `unscale_loss_for_distribution`
       (`_install_loss_share_hooks`, the exact-batch rule).
@@ -764,11 +767,11 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
                     return keras_build(self, iterator=iterator, data_batch=data_batch)
                 staging = input_staging(self) if iterator is not None else None
                 if staging:
-                    restage_input(self, iterator, staging[0], staging[1])
+                    restage_input(self, iterator, staging.depth, staging.transform, staging.to_device)
                 if fully_built(self):
                     return None  # Keras would make a distributed iterator and all-reduce a batch to build nothing
                 return symbolic_build_from_one_replica(self, iterator=iterator, data_batch=data_batch,
-                                                       restore=staging[2] if staging else None)
+                                                       restore=staging.restore if staging else None)
 
             trainer._maybe_symbolic_build = _maybe_symbolic_build
         _install_optimizer_hooks()

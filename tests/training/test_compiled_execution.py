@@ -24,11 +24,11 @@ def _cases_body(layout, cases):
 
 
 # Started in the background when the tests are collected (tests/scenarios.py), so they run beside other tests.
-# The default run's case on 2 replicas: steps_per_epoch (full executions, partial ones of full and short batches,
-# 3 epochs); the one-replica run adds numpy input and the rest of fit (validation, checkpoints, backup and
+# The default run's cases on 2 replicas: steps_per_epoch (full executions, partial ones of full and short batches,
+# 3 epochs) and host_input (the batches kept in host memory, the execution's function copying them); the one-replica run adds numpy input and the rest of fit (validation, checkpoints, backup and
 # resume, predict). The slow tier's on 2 replicas: numpy input, a dataset of unknown length, the rest of fit, a
 # LossScaleOptimizer, gradient accumulation and a model without BatchNorm (the GPU tests run them all under XLA).
-_TWO_CASES = ["steps_per_epoch"]
+_TWO_CASES = ["steps_per_epoch", "host_input"]
 _TWO_SLOW_CASES = ["numpy", "loss_scale", "rest_of_fit", "unknown_length", "accumulate", "no_batchnorm"]
 TWO = scenarios.Scenario("compiled_execution_two_replicas", prelude="", cases={
     "all": _cases_body("emulated2", ",".join(_TWO_CASES))}, timeout=900)
@@ -50,7 +50,7 @@ def _assert_same_training(case, per_step, compiled):
 # batches of 15 are 4 + 1 steps an epoch; steps_per_epoch=7 is 4 + 3.
 _BATCH_ENDS = {"numpy": [3, 4, 3, 4], "steps_per_epoch": [3, 6] * 3, "unknown_length": [3, 7, 3, 7],
                "accumulate": [3, 4, 3, 4], "loss_scale": [3, 4, 3, 4], "no_batchnorm": [3, 4, 3, 4],
-               "rest_of_fit": [3, 4, 3, 4]}
+               "rest_of_fit": [3, 4, 3, 4], "host_input": [3, 4, 3, 4]}
 
 
 @pytest.mark.parametrize("case", _TWO_CASES + [pytest.param(case, marks=pytest.mark.slow) for case in _TWO_SLOW_CASES])
@@ -181,10 +181,13 @@ def test_restage_input_prefetches_the_asked_depth_and_leaves_a_distributed_datas
     assert internals.restage_input(model, epoch_iterator, 16)
     assert epoch_iterator._distributed_dataset == "restaged"
     assert seen[0][0] is dataset and seen[0][1].experimental_per_replica_buffer_size == 16
+    assert seen[0][1].experimental_fetch_to_device
+    assert internals.restage_input(model, epoch_iterator, 8, to_device=False)  # kept in host memory, 8 deep
+    assert not seen[1][1].experimental_fetch_to_device and list(seen[1][0]) == [0, 1, 2, 3]
     assert not internals.restage_input(model, epoch_iterator, None)
     distributed = type("UserDistributedDataset", (tf.distribute.DistributedDataset,), {})()
     epoch_iterator.data_adapter.get_tf_dataset = lambda: distributed
-    assert not internals.restage_input(model, epoch_iterator, 16) and len(seen) == 1
+    assert not internals.restage_input(model, epoch_iterator, 16) and len(seen) == 2
 
 
 def _xla_loop_hlo(tf, count):
@@ -242,14 +245,16 @@ def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf)
     from tf_nvlink.training import compiled_execution
 
     model = _model()
-    depth, transform, restore = compiled_execution.input_staging(model)
-    assert (depth, restore) == (4, compiled_execution.restored_ints)
+    depth, transform, restore, to_device = compiled_execution.input_staging(model)
+    assert (depth, restore, to_device) == (4, compiled_execution.restored_ints, True)
     dataset = tf.data.Dataset.from_tensors((np.ones((2, 3), "float32"), np.arange(2, dtype="int32"))).repeat(3)
     staged = transform(dataset)
     assert isinstance(staged.element_spec[1], compiled_execution.Int32Bits)
     assert next(iter(staged))[0].dtype == tf.float32
     model.train_function = types.SimpleNamespace(pinned_input=False)  # the benchmark's pageable setup
-    assert compiled_execution.input_staging(model)[1] is compiled_execution.int32_as_bits
+    assert compiled_execution.input_staging(model).transform is compiled_execution.int32_as_bits
+    model.train_function = types.SimpleNamespace(input_to_device=False)  # the benchmark's host-input setup
+    assert compiled_execution.input_staging(model).to_device is False
     assert compiled_execution.input_staging(_model(compiled=False)) is None
 
 

@@ -92,22 +92,36 @@ def input_depth(model):
     return max(model.steps_per_execution, getattr(model.distribute_strategy.plan, "input_buffer", 0) or 0)
 
 
-def input_staging(model):
-    """(prefetch depth, host transform, batch restore) for the input of `model`'s fit/evaluate on the compiled
-    path, else None: `input_depth(model)` batches prefetched to each device, their int32 parts carried as uint32
-    bits (`int32_as_bits`; `restored_ints` gives a batch back as the model takes it), copied from pinned host
-    memory (`pinned_batches`) unless the model's compiled execution says `pinned_input = False`.
+class InputStaging(NamedTuple):
+    """How fit's and evaluate's input reaches the compiled execution (`internals.restage_input` applies it):
+    `depth` batches prefetched per replica, `transform` run on the host dataset first, `restore(batch)` giving a
+    staged batch back as the model takes it, and `to_device`: prefetched to the replicas' devices (TensorFlow's
+    prefetch to the GPU) or kept in host memory, the execution's function copying them."""
+
+    depth: int
+    transform: Callable
+    restore: Callable
+    to_device: bool = True
+
+
+def input_staging(model) -> Optional[InputStaging]:
+    """The `InputStaging` of `model`'s fit/evaluate on the compiled path, else None: `input_depth(model)` batches
+    prefetched to each device, their int32 parts carried as uint32 bits (`int32_as_bits`; `restored_ints` undoes
+    it), copied from pinned host memory (`pinned_batches`). The model's compiled execution can say otherwise:
+    `pinned_input = False` (pageable host memory), `input_to_device = False` (kept on the host; the benchmark
+    compares both).
 
     Example:
         >>> input_staging(model)     # steps_per_execution=16, compiled
-        (16, <function ...>, <function restored_ints ...>)
+        InputStaging(depth=16, transform=<function ...>, restore=<function restored_ints ...>, to_device=True)
     """
     depth = input_depth(model)
     if depth is None:
         return None
-    pinned = getattr(getattr(model, "train_function", None), "pinned_input", True)
-    return depth, (lambda dataset: pinned_batches(int32_as_bits(dataset))) if pinned else int32_as_bits, \
-        restored_ints
+    function = getattr(model, "train_function", None)
+    pinned = getattr(function, "pinned_input", True)
+    return InputStaging(depth, (lambda dataset: pinned_batches(int32_as_bits(dataset))) if pinned else int32_as_bits,
+                        restored_ints, getattr(function, "input_to_device", True))
 
 
 class Int32Bits(NamedTuple):
@@ -272,6 +286,7 @@ class CompiledExecution:
         self.one_step = one_step
         self.programs_run = 0  # executions run as one program (tests and the doctor read it)
         self.pinned_input = True  # the input copied from pinned host memory (see `input_staging`)
+        self.input_to_device = True  # the input prefetched to the replicas' devices (see `input_staging`)
         self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
             self.step.body_for(replica_id), full))
         self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran
