@@ -203,6 +203,9 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, f"{name}_{fed}"),
                                   warmup_steps=2 * n, window_steps=2 * n, verbose=False)
         record["doctor_compiled"] = {"setup": fed, **(doctor.report or {"unavailable": doctor.unavailable})}
+        steady_check(record, n)
+    for folder in (name, f"{name}_compiled"):  # the doctor's traces, kept beside its JSON for a later look
+        keep_trace(os.path.join(_OUTPUT.value, folder), os.path.join(_OUTPUT.value, f"{folder}.xplane.pb.gz"))
     models.clear()
     gc.collect()
     return record
@@ -228,6 +231,30 @@ def prediction_check(report, rows: dict, n: int, setup: str):
     predicted = advice[0]["gain"]
     return {"n": n, "setup": setup, "predicted_gain": predicted, "measured_gain": measured,
             "relative_error": (predicted - measured) / measured if measured else None}
+
+
+def steady_check(record: dict, n: int) -> None:
+    """Beside the whole-fit check: the predicted gain against the doctor's own steady-state steps (spe=1's window
+    against the compiled execution's at N), when the prediction is for that N."""
+    prediction, spe1 = record.get("prediction"), ((record.get("doctor") or {}).get("mean") or {}).get("step_ms")
+    compiled = ((record.get("doctor_compiled") or {}).get("mean") or {}).get("step_ms")
+    if prediction and prediction["n"] == n and spe1 and compiled:
+        measured = spe1 / compiled - 1
+        prediction.update(measured_gain_steady=measured,
+                          relative_error_steady=(prediction["predicted_gain"] - measured) / measured)
+
+
+def keep_trace(doctor_dir: str, target: str) -> None:
+    """The newest trace under a doctor's output folder, gzipped to `target` (nothing when there is none)."""
+    import glob  # noqa: PLC0415
+    import gzip  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    traces = sorted(glob.glob(os.path.join(doctor_dir, "profile", "plugins", "profile", "*", "*.xplane.pb")),
+                    key=os.path.getmtime)
+    if traces:
+        with open(traces[-1], "rb") as source, gzip.open(target, "wb") as kept:
+            shutil.copyfileobj(source, kept)
 
 
 def against_compute(report, rows: dict):
@@ -266,7 +293,9 @@ def render(record: dict) -> str:
         error = check["relative_error"]
         lines.append(f"prediction check N={check['n']} ({check['setup']}): predicted +{check['predicted_gain']:.1%}, "
                      f"measured +{check['measured_gain']:.1%}"
-                     + (f" (relative error {error:+.0%})" if error is not None else ""))
+                     + (f" (relative error {error:+.0%})" if error is not None else "")
+                     + (f"; steady state (the doctor's windows) +{check['measured_gain_steady']:.1%} (relative error "
+                        f"{check['relative_error_steady']:+.0%})" if "measured_gain_steady" in check else ""))
     ratio = record.get("against_compute")
     if ratio:
         lines.append(f"compiled step {ratio['compiled_ms']:.2f} ms against the doctor's compute {ratio['compute_ms']:.2f} "

@@ -6,6 +6,9 @@ all-reduce kernels', split into `hidden` (overlapped by compute) and `exposed`; 
 busy (the GPU waits for the host). `per_call_gap` is the mean of the `calls - 1` longest gaps between busy
 intervals, where `calls` is how many training-function calls the window made: the gap each call pays on the
 host between its predecessor's last kernel and its own first, which `steps_per_execution` pays once per N steps.
+`boundary_idle` (per call) is the idle part of the `calls - 1` longest gaps between compute (and collective)
+kernels, the copies inside them left out: everything the GPU waits for between one call's program and the next
+(the batch fetched, the program launched), where `per_call_gap` is only its longest idle stretch.
 
 Example:
     >>> b = replica_breakdown(activity, step_ms=33.6, steps=10, calls=10)
@@ -85,6 +88,7 @@ class ReplicaBreakdown:
     per_call_gap_ms: float
     calls_per_step: float
     top_kernels: tuple[tuple[str, float], ...]
+    boundary_idle_ms: float = 0.0
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -108,6 +112,11 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
     busy_ms = length(everything) * per_step
     call_gaps = gaps(everything)[:max(calls - 1, 0)]
     per_call_gap_ms = sum(call_gaps) / len(call_gaps) / PS_PER_MS if call_gaps else 0.0
+    kernels = merge(compute + collective)
+    boundaries = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(kernels, kernels[1:])),
+                        reverse=True)[:max(calls - 1, 0)]
+    boundary_idle_ms = (sum(length - overlap([(start, end)], everything) for length, start, end in boundaries)
+                        / len(boundaries) / PS_PER_MS) if boundaries else 0.0
     top_kernels = sorted(activity.time_by_name.items(), key=lambda item: -item[1])[:top]
     return ReplicaBreakdown(
         plane=activity.plane, step_ms=step_ms, compute_ms=length(compute) * per_step,
@@ -117,7 +126,8 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
         other_copies_ms=length(merge(kinds["d2h"] + kinds["d2d"])) * per_step,
         busy_ms=busy_ms, idle_ms=max(step_ms - busy_ms, 0.0), per_call_gap_ms=per_call_gap_ms,
         calls_per_step=calls / steps,
-        top_kernels=tuple((name[:80], duration * per_step) for name, duration in top_kernels))
+        top_kernels=tuple((name[:80], duration * per_step) for name, duration in top_kernels),
+        boundary_idle_ms=boundary_idle_ms)
 
 
 def mean_breakdown(replicas: Sequence[ReplicaBreakdown]) -> ReplicaBreakdown:

@@ -2,14 +2,16 @@
 help most, each with its predicted gain.
 
 - host-bound: the GPU idles (waits for the host). Where the N steps of `steps_per_execution=N` run as one XLA
-  program per replica (tf_nvlink's compiled execution), the GPU runs them back to back: it waits for the host
-  once per execution (the per-call gap, over N steps), and the N batches, prefetched to the device while the
-  previous execution runs, hide the exposed input copy. The predicted step is then the GPU's busy time less the
-  exposed copy, plus the per-call gap over N: every other idle stretch goes (this assumes the host enqueues a
-  step's kernels faster than the GPU runs them, as for any model whose step takes milliseconds). On the per-step
-  path (Keras' loop, which still launches the steps one by one) the per-call gap is paid once per call, and
-  `GAP_REMOVED_BY_MULTI_STEP` of `gap * (calls per step - 1/N)` is saved. N is capped so that the staged batches
-  (about 4N) take at most STAGED_MEMORY_SHARE of the device's free memory.
+  program per replica (tf_nvlink's compiled execution), what the GPU waits for between calls (`boundary_idle`:
+  the next batch fetched, the next program launched) is paid once per execution instead of once per call; the
+  kernels of a step run as they did, the gaps between them included, and the input copies still run between
+  executions (TensorFlow copies a batch after the kernels queued before it), from pinned host memory at
+  PINNED_COPY_GB_PER_S. The predicted step is the measured one less the boundary's idle per step and less the
+  exposed input copy, plus the pinned copy and the boundary's idle over N (what the traces of the compiled
+  execution show, docs/results.md). On the per-step path (Keras' loop, which still launches the steps one by
+  one) the per-call gap is paid once per call, and `GAP_REMOVED_BY_MULTI_STEP` of `gap * (calls per step - 1/N)`
+  is saved. N is capped so that the staged batches (about 4N) take at most STAGED_MEMORY_SHARE of the device's
+  free memory.
 - input-bound: host-to-device copies not hidden behind compute. float32 input sent as uint8 moves a quarter of the
   bytes (saves 3/4 of the exposed copy); prefetching to the devices hides the copy (saves all of it).
 - link-bound: the all-reduce not hidden behind compute. `allreduce_dtype="bfloat16"` halves the bytes: the saving is
@@ -48,6 +50,9 @@ GAP_REMOVED_BY_MULTI_STEP = 0.55
 # and N prefetched): N is chosen so that they take at most this share of the device's free memory.
 STAGED_BATCHES = 4
 STAGED_MEMORY_SHARE = 0.25
+# Host-to-device copies from pinned memory on 1x H200 (PCIe gen5), the compiled execution's input: 41.5 and 40.0
+# GB/s in two runs (docs/results.md). Used for the copy the compiled execution still pays per step.
+PINNED_COPY_GB_PER_S = 40.0
 LATENCY_HIDING_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 
@@ -133,14 +138,14 @@ def steps_per_execution_advice(b: ReplicaBreakdown, context: StepContext) -> Opt
     if not larger:
         return None
     if context.compiled_execution:
-        # The GPU runs the N steps back to back: only the per-call gap is left, once per execution.
-        busy = max(b.step_ms - b.idle_ms - b.exposed_h2d_ms, 1e-6)
-        chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * busy), larger[-1])
-        saved = b.step_ms - (busy + b.per_call_gap_ms / chosen)
-        how = (f"the N steps then run as one XLA program per replica, back to back on the GPU, which waits for "
-               f"the host once per execution; all {b.idle_ms:.2f} ms of GPU idle per step but that goes")
-        if b.exposed_h2d_ms > 0:
-            how += f", and its N prefetched batches hide the {b.exposed_h2d_ms:.2f} ms of exposed input copy"
+        boundary = b.boundary_idle_ms or b.per_call_gap_ms
+        copy = context.batch_bytes / (PINNED_COPY_GB_PER_S * 1e6) if context.batch_bytes else b.exposed_h2d_ms
+        base = max(b.step_ms - boundary * b.calls_per_step - b.exposed_h2d_ms + copy, 1e-6)
+        chosen = next((n for n in larger if boundary / n <= REMAINING_GAP_FRACTION * base), larger[-1])
+        saved = b.step_ms - (base + boundary / chosen)
+        how = (f"the N steps then run as one XLA program per replica: the {boundary:.2f} ms the GPU waits between "
+               f"calls (the next batch, the next launch) is paid once per execution; the idle inside a step stays, "
+               f"and the input copy, {copy:.2f} ms per step from pinned memory, still runs between executions")
     else:
         chosen = next((n for n in larger if b.per_call_gap_ms / n <= REMAINING_GAP_FRACTION * b.step_ms),
                       larger[-1])
