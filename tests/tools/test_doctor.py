@@ -3,6 +3,7 @@ its advice, the predictions, the outputs, the Keras callback on CPU, and a GPU t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -444,17 +445,35 @@ def test_step_doctor_benchmark_cpu_path_writes_rows_and_a_fixture(tmp_path):
     assert list((fixture / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
 
 
-def test_advised_steps_per_execution_is_read_from_the_report():
+@contextlib.contextmanager
+def benchmark_module(name):
+    """The script benchmarks/<name>.py as a module, its absl flags unregistered afterwards (the scripts define
+    flags of the same names, which absl refuses twice in one process)."""
     import importlib.util
+    import sys
+
+    from absl import flags
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("step_doctor_bench", root / "benchmarks" / "step_doctor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    report = {"verdict": {"advice": [{"change": "send the input as uint8", "gain": 0.1},
-                                     {"change": "steps_per_execution=8", "gain": 0.2}]}}
-    assert module.advised_steps_per_execution(report)[0] == 8
-    assert module.advised_steps_per_execution({"unavailable": "no GPU"}) == (None, None)
+    before = set(flags.FLAGS)
+    sys.path.insert(0, str(root / "benchmarks"))  # compiled_execution.py imports torch_peer beside it
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", root / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+        for flag in set(flags.FLAGS) - before:
+            delattr(flags.FLAGS, flag)
+
+
+def test_advised_steps_per_execution_is_read_from_the_report():
+    with benchmark_module("step_doctor") as module:
+        report = {"verdict": {"advice": [{"change": "send the input as uint8", "gain": 0.1},
+                                         {"change": "steps_per_execution=8", "gain": 0.2}]}}
+        assert module.advised_steps_per_execution(report)[0] == 8
+        assert module.advised_steps_per_execution({"unavailable": "no GPU"}) == (None, None)
 
 
 def test_machine_context_reads_the_links_from_nvml():
@@ -513,3 +532,32 @@ def test_scaling_from_two_replicas_takes_off_their_overhead_and_xla_flag_advice_
     with_flag = dataclasses.replace(context, xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
     assert any("latency_hiding" in a.change for a in diagnose(b, context).advice)
     assert not any("latency_hiding" in a.change for a in diagnose(b, with_flag).advice)
+
+
+@pytest.mark.skipif(not (FIXTURE / "observation.json").exists(), reason=f"no GPU trace fixture at {FIXTURE}")
+def test_where_the_gpu_waits_groups_the_fixture_trace_idle():
+    """benchmarks/xla_flag_variants.py on the 1x H200 ResNet-50 trace (10 steps in 10 calls, spe=1): the GPU's
+    idle splits into what lies between its programs (no XLA module lines in this trace: all of it) and the
+    stretches between calls, each named by the events around it."""
+    (trace,) = (FIXTURE / "profile").glob("plugins/profile/*/*.xplane.pb.gz")
+    with benchmark_module("xla_flag_variants") as variants:
+        where = variants.where_the_gpu_waits(str(trace), steps=10)["/device:GPU:0"]
+        assert variants.parse_variants("a=--x=1 --y=2;b@spe1=") == [("a", False, "--x=1 --y=2"), ("b", True, "")]
+    assert where["idle_between_modules_ms"] == pytest.approx(where["span_ms"] - where["busy_ms"], rel=1e-6)
+    assert where["span_ms"] > where["busy_ms"] > 0
+    assert sum(count for _, _, count in where["gaps"]) >= 9  # at least the 9 gaps between the 10 calls
+    assert len(where["longest_gaps_us"]) == 10 and where["longest_gaps_us"][0] > 1000
+    assert any("multi_step_on_iterator" in name for name, _ in where["host_during_longest_gaps"])
+
+
+def test_compiled_execution_benchmark_checks_the_prediction_against_the_steady_state_too():
+    record = {"prediction": {"n": 8, "predicted_gain": 0.25}, "doctor": {"mean": {"step_ms": 46.0}},
+              "doctor_compiled": {"mean": {"step_ms": 37.4}}}
+    with benchmark_module("compiled_execution") as bench:
+        steady_check = bench.steady_check
+    steady_check(record, 8)
+    assert record["prediction"]["measured_gain_steady"] == pytest.approx(46.0 / 37.4 - 1)
+    assert record["prediction"]["relative_error_steady"] == pytest.approx((0.25 - (46.0 / 37.4 - 1)) / (46.0 / 37.4 - 1))
+    other_n = {"prediction": {"n": 16, "predicted_gain": 0.25}, **{k: record[k] for k in ("doctor", "doctor_compiled")}}
+    steady_check(other_n, 8)  # the compiled execution was profiled at another N: nothing to compare
+    assert "measured_gain_steady" not in other_n["prediction"]
