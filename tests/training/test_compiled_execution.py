@@ -222,14 +222,18 @@ def test_a_full_execution_loop_has_a_trip_count_xla_knows(tf):
 
 def test_pinned_batches_hold_the_same_batches_in_the_same_structure(tf):
     """The compiled execution's host stage (each batch through tf.data's map-and-batch, which allocates pinned
-    memory on GPU machines) yields every batch unchanged, the short last one included, for tuple, dict and single
-    tensor elements; batches with ragged parts are left alone."""
+    memory on GPU machines) yields every batch unchanged, the short last one included, for tuple, dict, namedtuple
+    and single tensor elements; batches with ragged parts are left alone."""
+    import collections
+
     from tf_nvlink.training.compiled_execution import pinned_batches
 
     x = np.arange(70 * 3, dtype="uint8").reshape(70, 3)
     y = np.arange(70, dtype="int32")
+    Pair = collections.namedtuple("Pair", "x y")
     for dataset in (tf.data.Dataset.from_tensor_slices((x, y)).batch(15),
                     tf.data.Dataset.from_tensor_slices({"a": x, "b": y}).batch(15),
+                    tf.data.Dataset.from_tensor_slices(Pair(x, y)).batch(15),
                     tf.data.Dataset.from_tensor_slices(x).batch(15)):
         staged = pinned_batches(dataset)
         assert staged.element_spec == dataset.element_spec
@@ -251,6 +255,8 @@ def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf)
     staged = transform(dataset)
     assert isinstance(staged.element_spec[1], compiled_execution.Int32Bits)
     assert next(iter(staged))[0].dtype == tf.float32
+    tokens = tf.data.Dataset.from_tensors(np.arange(4, dtype="int32"))  # a lone int32 tensor: pinned, then back
+    np.testing.assert_array_equal(compiled_execution.restored_ints(next(iter(transform(tokens)))), np.arange(4))
     model.train_function = types.SimpleNamespace(pinned_input=False)  # the benchmark's pageable setup
     assert compiled_execution.input_staging(model).transform is compiled_execution.int32_as_bits
     model.train_function = types.SimpleNamespace(input_to_device=False)  # the benchmark's host-input setup
@@ -267,7 +273,7 @@ def test_int32_parts_travel_as_uint32_bits_and_come_back_unchanged(tf):
 
     tokens = np.array([[-7, 0], [2**31 - 1, -2**31]], "int32")
     hashed = np.array([[1, 2**32 - 1], [3, 4]], "uint32")
-    for element in ((tokens, hashed), {"tokens": tokens, "hashed": hashed}, tokens):
+    for element in ((tokens, hashed), {"tokens": tokens, "hashed": hashed}, tokens):  # a lone tensor stays one
         dataset = tf.data.Dataset.from_tensor_slices(element).batch(2)
         staged = int32_as_bits(dataset)
         carried = next(iter(staged))

@@ -144,16 +144,13 @@ def int32_as_bits(dataset):
     Example:
         >>> restored_ints(next(iter(int32_as_bits(tf.data.Dataset.from_tensors((x, labels))))))   # (x, labels)
     """
-    specs = tf.nest.flatten(dataset.element_spec)
-    if not all(isinstance(spec, tf.TensorSpec) for spec in specs) \
-            or not any(spec.dtype == tf.int32 for spec in specs):
+    if not _all_dense(dataset) or not any(spec.dtype == tf.int32 for spec in tf.nest.flatten(dataset.element_spec)):
         return dataset
-    single = not isinstance(dataset.element_spec, tuple)
+    element = _element_from_map_args(dataset.element_spec)
 
     def as_bits(*parts):
-        element = parts[0] if single else parts
         return tf.nest.map_structure(
-            lambda t: Int32Bits(tf.bitcast(t, tf.uint32)) if t.dtype == tf.int32 else t, element)
+            lambda t: Int32Bits(tf.bitcast(t, tf.uint32)) if t.dtype == tf.int32 else t, element(*parts))
 
     return dataset.map(as_bits, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
@@ -183,15 +180,22 @@ def pinned_batches(dataset):
     Example:
         >>> distributed = strategy.experimental_distribute_dataset(pinned_batches(dataset))
     """
-    if not all(isinstance(spec, tf.TensorSpec) for spec in tf.nest.flatten(dataset.element_spec)):
+    if not _all_dense(dataset):
         return dataset
-    single = not isinstance(dataset.element_spec, tuple)
+    staged = dataset.apply(tf.data.experimental.map_and_batch(_element_from_map_args(dataset.element_spec), 1))
+    staged_element = _element_from_map_args(staged.element_spec)
+    return staged.map(lambda *parts: tf.nest.map_structure(lambda t: tf.squeeze(t, 0), staged_element(*parts)))
 
-    def element(*parts):
-        return parts[0] if single else parts
 
-    staged = dataset.apply(tf.data.experimental.map_and_batch(element, 1))
-    return staged.map(lambda *parts: tf.nest.map_structure(lambda t: tf.squeeze(t, 0), element(*parts)))
+def _all_dense(dataset) -> bool:
+    return all(isinstance(spec, tf.TensorSpec) for spec in tf.nest.flatten(dataset.element_spec))
+
+
+def _element_from_map_args(spec) -> Callable:
+    """The element a `Dataset.map` function receives, rebuilt in the structure `spec` gives it: tf.data hands a
+    plain tuple over as separate arguments and any other element (a tensor, a dict, a namedtuple such as
+    `Int32Bits`) as one."""
+    return lambda *parts: tf.nest.pack_sequence_as(spec, tf.nest.flatten(parts))
 
 
 class StagedBatchesTooLarge(ValueError):
