@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/torch_peer.py
 
 from tf_nvlink.tools import bench_models, bench_stats  # noqa: E402
+from tf_nvlink.tools.doctor import trace  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
 from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
@@ -206,7 +207,8 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         record["doctor_compiled"] = {"setup": fed, **(doctor.report or {"unavailable": doctor.unavailable})}
         steady_check(record, n)
     for folder in (name, f"{name}_compiled"):  # the doctor's traces, kept beside its JSON for a later look
-        keep_trace(os.path.join(_OUTPUT.value, folder), os.path.join(_OUTPUT.value, f"{folder}.xplane.pb.gz"))
+        trace.keep_trace(os.path.join(_OUTPUT.value, folder, "profile"),
+                         os.path.join(_OUTPUT.value, f"{folder}.xplane.pb.gz"))
     models.clear()
     gc.collect()
     return record
@@ -243,19 +245,6 @@ def steady_check(record: dict, n: int) -> None:
         measured = spe1 / compiled - 1
         prediction.update(measured_gain_steady=measured,
                           relative_error_steady=(prediction["predicted_gain"] - measured) / measured)
-
-
-def keep_trace(doctor_dir: str, target: str) -> None:
-    """The newest trace under a doctor's output folder, gzipped to `target` (nothing when there is none)."""
-    import glob  # noqa: PLC0415
-    import gzip  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-
-    traces = sorted(glob.glob(os.path.join(doctor_dir, "profile", "plugins", "profile", "*", "*.xplane.pb")),
-                    key=os.path.getmtime)
-    if traces:
-        with open(traces[-1], "rb") as source, gzip.open(target, "wb") as kept:
-            shutil.copyfileobj(source, kept)
 
 
 def against_compute(report, rows: dict):

@@ -14,11 +14,8 @@ Variants are `name=flags` (flags space-separated, empty for none); `name@spe1` r
 
 from __future__ import annotations
 
-import glob
-import gzip
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tf_nvlink.tools import bench_stats  # noqa: E402
+from tf_nvlink.tools.doctor import breakdown, trace  # noqa: E402
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
@@ -80,13 +78,10 @@ def worker(model_name: str, steps_per_execution: int, output_dir: str) -> int:
             folder = os.path.join(output_dir, words[1])
             doctor = bench.doctor_fit(model, dataset, global_batch, folder, verbose=False,
                                       **({} if n == 1 else {"warmup_steps": 2 * n, "window_steps": 2 * n}))
-            traces = glob.glob(os.path.join(folder, "profile", "plugins", "profile", "*", "*.xplane.pb"))
-            if traces:
-                with open(traces[0], "rb") as src, gzip.open(folder + ".xplane.pb.gz", "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+            kept = trace.keep_trace(doctor.profile_dir, folder + ".xplane.pb.gz")
             report = doctor.report or {"unavailable": doctor.unavailable}
             window = report.get("window") or {}
-            where = where_the_gpu_waits(traces[0], window.get("steps", 1)) if traces else {}
+            where = where_the_gpu_waits(kept, window.get("steps", 1)) if kept else {}
             print(MARK + json.dumps({"mean": report.get("mean"), "verdict": report.get("verdict"),
                                      "window": window, "gaps": where}, default=str), flush=True)
     return 0
@@ -95,8 +90,6 @@ def worker(model_name: str, steps_per_execution: int, output_dir: str) -> int:
 def where_the_gpu_waits(trace_path: str, steps: int, top: int = 12, smallest_ps: int = 5_000_000) -> dict:
     """From a trace: per step, the GPU's idle inside XLA module executions ('XLA Modules' line) and between them,
     and the idle stretches of at least `smallest_ps` grouped by the events before and after them."""
-    from tf_nvlink.tools.doctor import breakdown, trace  # noqa: PLC0415
-
     space = trace.load_space(trace_path)
     out = {}
     for plane in space.planes:

@@ -18,7 +18,7 @@ from tf_nvlink.tools.doctor import outputs
 from tf_nvlink.tools.doctor.breakdown import gaps, merge, overlap, replica_breakdown
 from tf_nvlink.tools.doctor.diagnosis import diagnose_space, diagnose_trace
 from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
-from tf_nvlink.tools.doctor.trace import classify, gpu_activity
+from tf_nvlink.tools.doctor.trace import classify, gpu_activity, load_space
 from tf_nvlink.tools.doctor.verdict import GAP_REMOVED_BY_MULTI_STEP, PINNED_COPY_GB_PER_S, StepContext, diagnose
 
 FIXTURE = Path(__file__).parent / "fixtures" / "step_doctor_resnet50"  # --trace_out tests/tools/fixtures
@@ -561,3 +561,14 @@ def test_compiled_execution_benchmark_checks_the_prediction_against_the_steady_s
     other_n = {"prediction": {"n": 16, "predicted_gain": 0.25}, **{k: record[k] for k in ("doctor", "doctor_compiled")}}
     steady_check(other_n, 8)  # the compiled execution was profiled at another N: nothing to compare
     assert "measured_gain_steady" not in other_n["prediction"]
+
+
+@pytest.mark.skipif(not (FIXTURE / "observation.json").exists(), reason=f"no GPU trace fixture at {FIXTURE}")
+def test_keep_trace_gzips_the_newest_trace_and_says_when_there_is_none(tmp_path):
+    from tf_nvlink.tools.doctor.trace import keep_trace
+
+    kept = keep_trace(str(FIXTURE / "profile"), str(tmp_path / "kept.xplane.pb.gz"))
+    assert kept == str(tmp_path / "kept.xplane.pb.gz")
+    assert list(gpu_activity(load_space(kept))) == ["/device:GPU:0"]
+    assert keep_trace(str(tmp_path / "nothing"), str(tmp_path / "none.xplane.pb.gz")) is None
+    assert not (tmp_path / "none.xplane.pb.gz").exists()

@@ -115,8 +115,9 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
     kernels = merge(compute + collective)
     boundaries = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(kernels, kernels[1:])),
                         reverse=True)[:max(calls - 1, 0)]
-    boundary_idle_ms = (sum(length - overlap([(start, end)], everything) for length, start, end in boundaries)
-                        / len(boundaries) / PS_PER_MS) if boundaries else 0.0
+    spans = merge((start, end) for _, start, end in boundaries)
+    boundary_idle_ms = ((length(spans) - overlap(spans, everything)) / len(boundaries) / PS_PER_MS
+                        if boundaries else 0.0)
     top_kernels = sorted(activity.time_by_name.items(), key=lambda item: -item[1])[:top]
     return ReplicaBreakdown(
         plane=activity.plane, step_ms=step_ms, compute_ms=length(compute) * per_step,

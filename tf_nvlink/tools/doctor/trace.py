@@ -17,6 +17,8 @@ import dataclasses
 import glob
 import gzip
 import os
+import shutil
+from typing import Optional
 
 KINDS = ("compute", "collective", "h2d", "d2h", "d2d")
 
@@ -75,6 +77,23 @@ def find_trace(logdir: str) -> str:
     if not paths:
         raise TraceError(f"the profiler wrote no .xplane.pb under {logdir}/plugins/profile")
     return max(paths, key=os.path.getmtime)
+
+
+def keep_trace(logdir: str, target: str) -> Optional[str]:
+    """The newest trace under `logdir` (`find_trace`) gzipped to `target`, which `load_space` reads back; returns
+    `target`, or None when the profiler wrote none there.
+
+    Example:
+        >>> keep_trace("/tmp/doctor/profile", "resnet50.xplane.pb.gz")
+        'resnet50.xplane.pb.gz'
+    """
+    try:
+        path = find_trace(logdir)
+    except TraceError:
+        return None
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as source, gzip.open(target, "wb") as kept:
+        shutil.copyfileobj(source, kept)
+    return target
 
 
 def load_space(path: str):
