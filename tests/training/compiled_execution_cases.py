@@ -92,12 +92,14 @@ def fits(case, model, callback):
         model.predictions = model.predict(x, batch_size=BATCH, verbose=0).ravel().tolist()
         model.checkpoints = sorted(os.listdir(os.path.join(folder, "ckpt")))
         return history.history["loss"] + history.history["val_loss"]
-    elif case == "host_input":  # numpy arrays, the second fit's batches kept in host memory (not prefetched to
-        # the devices): the execution's function copies them
+    elif case == "host_input":  # numpy arrays prefetched to the devices, then a second fit with its batches kept
+        # in host memory (not prefetched): each full execution copies the next one's batches while it runs; at
+        # steps_per_epoch=7 an epoch's partial execution takes 3 of them and the next full one 1 copied + 3 not
         first = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
         if hasattr(model.train_function, "input_to_device"):
             model.train_function.input_to_device = False
-        second = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+        data = tf.data.Dataset.from_tensor_slices((x[:60], y[:60])).batch(BATCH).repeat()
+        second = model.fit(data, steps_per_epoch=7, epochs=2, verbose=0, callbacks=[callback])
         return first.history["loss"] + second.history["loss"]
     else:  # numpy arrays: per epoch 4 batches of 15 (one execution) and one of 10 (its own program)
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
@@ -124,6 +126,7 @@ def train(case, compiled):
         "iterations": int(model.optimizer.iterations.numpy()),
         "loss": losses, "evaluate": evaluated, "batch_ends": callback.ends,
         "programs_traced": programs, "programs_run": getattr(function, "programs_run", None),
+        "copied_ahead": getattr(function, "copied_ahead", None),
         "holds_input_after_fit": holds_input,
         "test_function": type(model.test_function).__name__,
         "predictions": getattr(model, "predictions", None), "checkpoints": getattr(model, "checkpoints", None),

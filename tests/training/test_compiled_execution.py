@@ -50,7 +50,7 @@ def _assert_same_training(case, per_step, compiled):
 # batches of 15 are 4 + 1 steps an epoch; steps_per_epoch=7 is 4 + 3.
 _BATCH_ENDS = {"numpy": [3, 4, 3, 4], "steps_per_epoch": [3, 6] * 3, "unknown_length": [3, 7, 3, 7],
                "accumulate": [3, 4, 3, 4], "loss_scale": [3, 4, 3, 4], "no_batchnorm": [3, 4, 3, 4],
-               "rest_of_fit": [3, 4, 3, 4], "host_input": [3, 4, 3, 4]}
+               "rest_of_fit": [3, 4, 3, 4], "host_input": [3, 4, 3, 6, 3, 6]}
 
 
 @pytest.mark.parametrize("case", _TWO_CASES + [pytest.param(case, marks=pytest.mark.slow) for case in _TWO_SLOW_CASES])
@@ -63,11 +63,13 @@ def test_two_replicas_compiled_equal_per_step_training(case):
     per_step, compiled = runs["per_step"], runs["compiled"]
     _assert_same_training(case, per_step, compiled)
     # Per replica: one program for full executions, one per batch shape of the partial ones, none per epoch.
-    partial = 2 if case == "steps_per_epoch" else 1  # its partial executions hold full and short batches
+    partial = 2 if case in ("steps_per_epoch", "host_input") else 1  # partial executions of full and short batches
     assert compiled["programs_traced"] == {"full": [1, 1], "partial": [partial, partial]}
     assert compiled["batch_ends"] == _BATCH_ENDS[case]
     assert not compiled["holds_input_after_fit"]  # no input pipeline kept running (or batches kept) after fit
-    steps = {"steps_per_epoch": 21, "accumulate": 5}.get(case, 10)  # accumulate: 10 batches, 5 updates
+    steps = {"steps_per_epoch": 21, "accumulate": 5, "host_input": 19}.get(case, 10)  # accumulate: 5 updates
+    # host_input: the host batches of the second fit's next execution copied while the one before ran, twice
+    assert compiled["copied_ahead"] == (2 if case == "host_input" else 0)
     assert compiled["iterations"] == steps
     if case != "unknown_length":  # per step, Keras counts the call that finds the data at its end as a step too
         assert per_step["iterations"] == steps

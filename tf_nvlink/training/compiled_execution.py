@@ -290,6 +290,7 @@ class CompiledExecution:
         self.step = step
         self.one_step = one_step
         self.programs_run = 0  # executions run as one program (tests and the doctor read it)
+        self.copied_ahead = 0  # executions that copied the next one's host batches to the devices (tests read it)
         self.pinned_input = True  # the input copied from pinned host memory (see `input_staging`)
         self.input_to_device = True  # the input prefetched to the replicas' devices (see `input_staging`)
         self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
@@ -302,6 +303,11 @@ class CompiledExecution:
         self._outer = tf.function(
             lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
                                                                       self.strategy), autograph=False)
+        # A full execution that also copies the next execution's host batches to the replicas' devices: the
+        # copies are not inputs of the program, so they run beside it instead of before it.
+        self._outer_copying_ahead = tf.function(
+            lambda batches, ahead: (internals.reduce_step_outputs(self.programs.run(batches), self.strategy),
+                                    self._on_replicas(ahead)), autograph=False)
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
@@ -319,12 +325,29 @@ class CompiledExecution:
         return batches
 
     def _take_ahead(self, iterator) -> None:
-        """While the execution just launched runs, take the next one's batches (their device copies overlap)."""
+        """Take the next execution's batches from `iterator` before this one returns: prefetched to the devices,
+        their copies run while this execution does; host batches are copied by the launch (`_copy_ahead`)."""
         while len(self._taken_ahead) < self.steps:
             batch = _next_or_none(iterator)
             if batch is None:
                 return
             self._taken_ahead.append(batch)
+
+    def _copy_ahead(self, iterator) -> Optional[tuple]:
+        """The next execution's host batches when the execution about to launch should copy them to the devices
+        (host input, N batches of one shape that stack), else None."""
+        if self.input_to_device or not _takes_ahead(iterator):
+            return None
+        self._take_ahead(iterator)
+        ahead = self._taken_ahead
+        if len(ahead) != self.steps or len(_same_shape_runs(ahead, self.strategy)) != 1 \
+                or not all(_stackable(batch, self.strategy) for batch in ahead):
+            return None
+        return tuple(ahead)
+
+    def _on_replicas(self, batches: tuple) -> tuple:
+        """`batches` (host tensors per replica) copied to each replica's device, inside the launching function."""
+        return self.strategy.run(lambda *local: tf.nest.map_structure(tf.identity, local), args=batches)
 
     def __call__(self, iterator):
         count = internals.steps_asked_for_this_call(self.steps)
@@ -339,13 +362,17 @@ class CompiledExecution:
                 continue
             self._check_memory(group[0])
             with _explained_oom(self, group[0]):
-                if len(group) == self.steps:
-                    outputs = self._outer(tuple(group))
-                else:  # never run: the count says so
+                if len(group) < self.steps:  # never run: the count says so
                     padded = tuple(group) + (group[-1],) * (self.steps - len(group))
                     outputs = self._outer(padded, tf.constant(len(group), tf.int32))
+                elif (ahead := self._copy_ahead(iterator)) is not None:
+                    outputs, staged = self._outer_copying_ahead(tuple(group), ahead)
+                    self._taken_ahead[:] = list(staged) if isinstance(staged, (tuple, list)) else [staged]
+                    self.copied_ahead += 1
+                else:
+                    outputs = self._outer(tuple(group))
             self.programs_run += 1
-        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+        if _takes_ahead(iterator):
             self._take_ahead(iterator)
         return outputs
 
@@ -461,6 +488,11 @@ def _weak(value, on_release: Callable[[], None]) -> Callable[[], Any]:
         return weakref.ref(value, lambda _: on_release())
     except TypeError:
         return lambda: value
+
+
+def _takes_ahead(iterator) -> bool:
+    """Only a tf.data or distributed iterator is read ahead (a Python iterator of the user's may have effects)."""
+    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
 def _next_or_none(iterator):
