@@ -14,7 +14,8 @@ after a warm-up fit that compiles:
                execution's batches are then fetched while the one before it runs (TensorFlow's prefetch to the
                GPU copies an element only after the kernels queued before the copy);
   host-input   the compiled execution with its batches kept in pinned host memory (not prefetched to the GPU):
-               the execution's function copies them, so no element waits for a device-to-host copy;
+               each full execution's function also copies the next execution's batches to the GPU, copies the
+               program does not wait for, so they run beside it and no element waits for a device-to-host copy;
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
   torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
@@ -26,7 +27,8 @@ switched per model through the plan (what `tf_nvlink.strategy(compiled_execution
 The step doctor profiles the spe=1 model once (before the rounds): its step breakdown and its advice are kept, and
 its predicted gain is set beside the measured one (spe=1 against the compiled execution at the advised N); the
 compiled execution's step is set beside the doctor's compute time. After the rounds it profiles the compiled
-execution too (its GPU idle share, the input copy's GB/s).
+execution too, with its batches prefetched to the GPU and kept on the host (their GPU idle shares, the input
+copy's GB/s).
 
     python benchmarks/compiled_execution.py --models resnet50 --rounds 3 --json r50.json            # 1x H200
     python benchmarks/compiled_execution.py --models transformer --rounds 3 --steps 48 --json tfm.json
@@ -56,6 +58,7 @@ DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_t
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
 SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "deep", "host-input", "resident", "torch")
 COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "deep", "host-input", "resident", "advised")
+PROFILED_SETUPS = ("compiled", "host-input")  # the doctor profiles these after the rounds
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
@@ -198,15 +201,17 @@ def bench_model(name: str, strategy, setups: list) -> dict:
               "prediction": prediction_check(doctor_report, rows, advised or n,
                                              "advised" if "advised" in rows else "compiled"),
               "against_compute": against_compute(doctor_report, rows)}
-    fed = "compiled" if "compiled" in models else None
-    if _DOCTOR.value and fed:  # after the rounds: the compiled execution's own breakdown (its GPU idle)
+    for fed in (setup for setup in PROFILED_SETUPS if setup in models and _DOCTOR.value):
+        # after the rounds: the compiled execution's own breakdown (its GPU idle), per input setup
         set_plan(strategy, plans[fed])
         model, dataset = models[fed]
         doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, f"{name}_{fed}"),
                                   warmup_steps=2 * n, window_steps=2 * n, verbose=False)
-        record["doctor_compiled"] = {"setup": fed, **(doctor.report or {"unavailable": doctor.unavailable})}
-        steady_check(record, n)
-    for folder in (name, f"{name}_compiled"):  # the doctor's traces, kept beside its JSON for a later look
+        record[f"doctor_{fed}"] = {"setup": fed, **(doctor.report or {"unavailable": doctor.unavailable})}
+        if fed != "compiled":
+            record[f"against_compute_{fed}"] = against_compute(doctor_report, rows, fed)
+    steady_check(record, n)
+    for folder in (name, *(f"{name}_{fed}" for fed in PROFILED_SETUPS)):  # the doctor's traces, kept beside its JSON
         trace.keep_trace(os.path.join(_OUTPUT.value, folder, "profile"),
                          os.path.join(_OUTPUT.value, f"{folder}.xplane.pb.gz"))
     models.clear()
@@ -247,13 +252,13 @@ def steady_check(record: dict, n: int) -> None:
                           relative_error_steady=(prediction["predicted_gain"] - measured) / measured)
 
 
-def against_compute(report, rows: dict):
-    """The compiled execution's ms per step over the doctor's compute time per step (spe=1's kernels)."""
+def against_compute(report, rows: dict, setup: str = "compiled"):
+    """A compiled execution setup's ms per step over the doctor's compute time per step (spe=1's kernels)."""
     compute = ((report or {}).get("mean") or {}).get("compute_ms")
-    if not compute or "compiled" not in rows:
+    if not compute or setup not in rows:
         return None
-    return {"compute_ms": compute, "compiled_ms": rows["compiled"]["ms_per_step"],
-            "ratio": rows["compiled"]["ms_per_step"] / compute}
+    return {"setup": setup, "compute_ms": compute, "compiled_ms": rows[setup]["ms_per_step"],
+            "ratio": rows[setup]["ms_per_step"] / compute}
 
 
 def render(record: dict) -> str:
@@ -286,19 +291,20 @@ def render(record: dict) -> str:
                      + (f" (relative error {error:+.0%})" if error is not None else "")
                      + (f"; steady state (the doctor's windows) +{check['measured_gain_steady']:.1%} (relative error "
                         f"{check['relative_error_steady']:+.0%})" if "measured_gain_steady" in check else ""))
-    ratio = record.get("against_compute")
-    if ratio:
-        lines.append(f"compiled step {ratio['compiled_ms']:.2f} ms against the doctor's compute {ratio['compute_ms']:.2f} "
-                     f"ms per step: {ratio['ratio']:.3f}x")
-    compiled = record.get("doctor_compiled") or {}
-    mean = compiled.get("mean")
-    if mean:
-        lines.append(f"doctor ({compiled['setup']}, N={record['steps_per_execution']}): step {mean['step_ms']:.2f} ms, "
-                     f"compute {mean['compute_ms']:.2f} ms, GPU idle {mean['idle_ms']:.2f} ms "
-                     f"({mean['idle_ms'] / mean['step_ms']:.1%}), input copy exposed {mean['exposed_h2d_ms']:.2f} ms; "
-                     f"input copy {json.dumps(compiled.get('input_copy'))}")
-    elif compiled:
-        lines.append(f"doctor ({compiled['setup']}): {compiled.get('unavailable')}")
+    for fed in PROFILED_SETUPS:
+        ratio = record.get("against_compute" if fed == "compiled" else f"against_compute_{fed}")
+        if ratio:
+            lines.append(f"{fed} step {ratio['compiled_ms']:.2f} ms against the doctor's compute "
+                         f"{ratio['compute_ms']:.2f} ms per step: {ratio['ratio']:.3f}x")
+        compiled = record.get(f"doctor_{fed}") or {}
+        mean = compiled.get("mean")
+        if mean:
+            lines.append(f"doctor ({fed}, N={record['steps_per_execution']}): step {mean['step_ms']:.2f} ms, "
+                         f"compute {mean['compute_ms']:.2f} ms, GPU idle {mean['idle_ms']:.2f} ms "
+                         f"({mean['idle_ms'] / mean['step_ms']:.1%}), input copy exposed {mean['exposed_h2d_ms']:.2f} "
+                         f"ms; input copy {json.dumps(compiled.get('input_copy'))}")
+        elif compiled:
+            lines.append(f"doctor ({fed}): {compiled.get('unavailable')}")
     return "\n".join(lines)
 
 
