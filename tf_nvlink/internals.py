@@ -79,6 +79,12 @@ def _keras_epoch_iterator_class():
     return EpochIterator
 
 
+def _keras_callback_list_class():
+    from keras.src.callbacks.callback_list import CallbackList  # noqa: PLC0415
+
+    return CallbackList
+
+
 def _keras_trainer_class():
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: PLC0415
 
@@ -111,7 +117,8 @@ def uninstall_keras_hooks() -> None:
             owner, _, attribute = name.rpartition(".")
             owners = {**_OPTIMIZER_CLASSES, "loss_module": _keras_loss_module,
                       "EpochIterator": _keras_epoch_iterator_class, "BatchNormalization": _keras_batch_norm_class,
-                      "CompileLoss": _keras_compile_loss_class, "Mean": _keras_mean_metric_class}
+                      "CompileLoss": _keras_compile_loss_class, "Mean": _keras_mean_metric_class,
+                      "CallbackList": _keras_callback_list_class}
             if owner and owner not in owners:
                 continue  # the gradient all-reduce and the write recorder have their own restore
             setattr(owners[owner]() if owner else trainer, attribute, original)
@@ -616,6 +623,44 @@ def _install_epoch_iterator_hook() -> None:
     EpochIterator._enumerate_iterator = _enumerate_iterator
 
 
+def batch_ends_dispatch_asynchronously(callbacks) -> tuple[bool, bool, bool]:
+    """(train, test, predict): whether Keras' rule lets batch ends of fit, evaluate and predict run off the
+    training thread with these user `callbacks`: each one is `async_safe` or leaves that batch-end method as
+    Keras' default (`CallbackList._configure_async_dispatch`, Keras 3.12 to 3.15, without its backend check)."""
+    from keras.src.utils.python_utils import is_default  # noqa: PLC0415
+
+    train = test = predict = True
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
+        if getattr(callback, "async_safe", False):
+            continue
+        train = train and is_default(callback.on_batch_end) and is_default(callback.on_train_batch_end)
+        test = test and is_default(callback.on_test_batch_end)
+        predict = predict and is_default(callback.on_predict_batch_end)
+    return train, test, predict
+
+
+def _install_batch_end_dispatch_hook() -> None:
+    """Replace `CallbackList.__init__` (Keras 3.12 to 3.15; called with _STATE.lock held).
+
+    Why: Keras converts each call's logs to Python floats before the batch-end callbacks run, on the training
+    thread unless the backend is marked thread-safe (JAX is; TensorFlow is not). On TensorFlow the host then
+    waits for the GPU to finish every call before it launches the next, so the GPU idles while the host takes
+    the next batches and launches the next program (between the compiled execution's programs, 1x H200: about
+    10 ms per call). Under a tf_nvlink strategy batch ends follow Keras' JAX rule: when every callback the user
+    passed is `async_safe` or leaves batch ends alone (the progress bar and History are Keras' own and take part),
+    they run on Keras' callback thread pool, each with its own call's logs; the epoch's end waits for them. Touches
+    the private `_async_train`, `_async_test` and `_async_predict` that `_configure_async_dispatch` sets."""
+    callback_list = _keras_callback_list_class()
+    original = _STATE.originals["CallbackList.__init__"] = callback_list.__dict__["__init__"]
+
+    def __init__(self, callbacks=None, *args, model=None, **kwargs):
+        original(self, callbacks, *args, model=model, **kwargs)
+        if model is not None and _STATE.is_ours(getattr(model, "_distribute_strategy", None)):
+            self._async_train, self._async_test, self._async_predict = batch_ends_dispatch_asynchronously(callbacks)
+
+    callback_list.__init__ = __init__
+
+
 def in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util  # noqa: PLC0415
 
@@ -720,6 +765,7 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
     - `CompileLoss.call`, `Mean.update_state` (`_install_output_loss_metric_hooks`: a multi-output model's
       per-output loss metrics count each step once, a replica without examples not at all).
     - `BaseOptimizer._clip_gradients` (`_install_clip_hook`: clipping acts on the all-reduced gradients).
+    - `CallbackList.__init__` (`_install_batch_end_dispatch_hook`: batch ends dispatched as Keras does on JAX).
     """
     with _STATE.lock:
         if "_make_function" in _STATE.originals:
@@ -780,6 +826,7 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
         _install_epoch_iterator_hook()
         _install_empty_replica_hooks()
         _install_clip_hook()
+        _install_batch_end_dispatch_hook()
         return None
 
 

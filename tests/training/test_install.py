@@ -143,6 +143,27 @@ finally:
     internals.reset_hooks_for_tests()
     tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])  # the hooks back, for any later case
 """
+_SHARED_CASES["batch ends"] = """
+import threading
+class Recorder(keras.callbacks.Callback):
+    async_safe = True  # Keras' mark: its batch ends may run off the training thread
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((int(batch), logs["loss"], threading.current_thread() is threading.main_thread()))
+class NeedsBatchEnds(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+result = {}
+for name, extra in (("async", []), ("sync", [NeedsBatchEnds()])):
+    with strategy.scope():
+        model = build(); compile_(model)
+    recorder = Recorder()
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[recorder, *extra])
+    result[name] = {"seen": sorted(recorder.seen), "history": history.history["loss"]}
+"""
 SHARED = scenarios.Scenario("install: one strategy on 2 CPUs", _PRELUDE, _SHARED_CASES)
 
 
@@ -151,6 +172,20 @@ def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work(
     assert out["jit"] and out["mode"] == "split"  # CPU replicas: fused all-reduce needs GPUs
     assert out["loss"][-1] < out["loss"][0]
     assert out["pred_shape"] == [10, 4] and out["predict_copies"] == 1
+
+
+def test_batch_ends_run_off_the_training_thread_by_keras_rule_with_each_calls_own_logs():
+    """Under a tf_nvlink strategy, batch ends follow Keras' JAX rule: with only async-safe callbacks they run on
+    Keras' callback threads (the host launches the next call instead of waiting for this one's logs); a callback
+    that needs batch ends keeps them on the training thread. Both see every call's own logs."""
+    out = SHARED.result("batch ends")
+    asynchronous, synchronous = out["async"], out["sync"]
+    assert [batch for batch, _, _ in asynchronous["seen"]] == sorted(list(range(4)) * 2)
+    assert not any(on_main for _, _, on_main in asynchronous["seen"])
+    assert all(on_main for _, _, on_main in synchronous["seen"])
+    np.testing.assert_allclose([loss for _, loss, _ in asynchronous["seen"]],
+                               [loss for _, loss, _ in synchronous["seen"]], rtol=1e-6)
+    np.testing.assert_allclose(asynchronous["history"], synchronous["history"], rtol=1e-6)
 
 
 def test_each_replica_gets_its_own_xla_compiled_step():
@@ -238,6 +273,17 @@ def test_keras_internals_the_hook_relies_on():
     fit = inspect.getsource(TensorFlowTrainer.fit)
     assert fit.index("self._maybe_symbolic_build(iterator=epoch_iterator)") < fit.index("epoch_iterator.reset()")
     assert "def reduce_per_replica(values, strategy, reduction)" in inspect.getsource(tf_trainer.reduce_per_replica)
+    # batch ends: Keras' async dispatch of CallbackList, off on TensorFlow by its backend check alone
+    from keras.src.callbacks.callback_list import CallbackList
+    configure = inspect.getsource(CallbackList._configure_async_dispatch)
+    for line in ("if not backend.IS_THREAD_SAFE:", 'getattr(cbk, "async_safe", False)',
+                 "self._async_train = async_train", "self._async_test = async_test",
+                 "self._async_predict = async_predict", "utils.is_default(cbk.on_train_batch_end)"):
+        assert line in configure, line
+    assert "if self._async_train:" in inspect.getsource(CallbackList.on_train_batch_end)
+    assert "self._flush_futures()" in inspect.getsource(CallbackList.on_epoch_end)
+    assert "model=None" in inspect.getsource(internals._STATE.originals.get("CallbackList.__init__",
+                                                                            CallbackList.__init__))
     # a replica without examples: BatchNormalization's batch moments, the hook's seam
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
     moments = inspect.getsource(internals._STATE.originals.get("BatchNormalization._moments",
