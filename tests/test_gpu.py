@@ -257,7 +257,7 @@ def test_one_gpu_custom_loop_with_jit_step_matches_no_strategy(precision, tmp_pa
         np.testing.assert_allclose(np.array(b), np.array(a), **tolerance)
 
 
-_GPU_CASES = "numpy,steps_per_epoch,unknown_length,accumulate,loss_scale,no_batchnorm"
+_GPU_CASES = "numpy,steps_per_epoch,unknown_length,accumulate,loss_scale,no_batchnorm,host_input"
 
 
 def _compiled_execution_cases(layout, tmp_path):
@@ -282,13 +282,16 @@ def _assert_compiled_equals_per_step(results):
         for a, b in zip(per_step["weights"], compiled["weights"]):
             np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-6, err_msg=case)
         np.testing.assert_allclose(compiled["evaluate"], per_step["evaluate"], rtol=1e-5, atol=1e-6, err_msg=case)
+        if case == "host_input":  # its second fit's full executions copied the next one's batches to the device
+            assert compiled["copied_ahead"] == 2, compiled["copied_ahead"]
 
 
 @needs_gpu
 def test_one_gpu_compiled_execution_equals_per_step_training(tmp_path):
     """On one GPU, steps_per_execution=4 as one XLA program (a while loop over the stacked batches) trains to the
     weights of one program per step: full and partial executions, a short last batch, steps_per_epoch=7, a dataset
-    of unknown length, gradient accumulation, a LossScaleOptimizer (float32, 1e-5; TF32 off); a full
+    of unknown length, gradient accumulation, a LossScaleOptimizer, host-kept batches copied one execution ahead
+    (float32, 1e-5; TF32 off); a full
     execution's loop has a trip count XLA knows, so the GPU runs its steps without waiting for the host."""
     _assert_compiled_equals_per_step(_compiled_execution_cases("gpu1", tmp_path))
 
