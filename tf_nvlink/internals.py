@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -648,8 +649,10 @@ def _install_batch_end_dispatch_hook() -> None:
     the next batches and launches the next program (between the compiled execution's programs, 1x H200: about
     10 ms per call). Under a tf_nvlink strategy batch ends follow Keras' JAX rule: when every callback the user
     passed is `async_safe` or leaves batch ends alone (the progress bar and History are Keras' own and take part),
-    they run on Keras' callback thread pool, each with its own call's logs; the epoch's end waits for them. Touches
-    the private `_async_train`, `_async_test` and `_async_predict` that `_configure_async_dispatch` sets."""
+    they run off the training thread, each with its own call's logs, on one callback thread so that they keep
+    their order (Keras' pool has several); the epoch's end waits for them. Touches the private `_async_train`,
+    `_async_test` and `_async_predict` that `_configure_async_dispatch` sets, and `_executor`, the pool
+    `_on_begin` makes when none is there."""
     callback_list = _keras_callback_list_class()
     original = _STATE.originals["CallbackList.__init__"] = callback_list.__dict__["__init__"]
 
@@ -657,6 +660,9 @@ def _install_batch_end_dispatch_hook() -> None:
         original(self, callbacks, *args, model=model, **kwargs)
         if model is not None and _STATE.is_ours(getattr(model, "_distribute_strategy", None)):
             self._async_train, self._async_test, self._async_predict = batch_ends_dispatch_asynchronously(callbacks)
+            if (self._async_train or self._async_test or self._async_predict) and self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                       thread_name_prefix="tf_nvlink_batch_ends")
 
     callback_list.__init__ = __init__
 
