@@ -134,8 +134,10 @@ class Trainer:
             sums, ran = self.train_steps(iterator)  # per replica: the losses and correct counts of `ran` steps
             if not ran:
                 return loss, correct
-            loss += float(self.strategy.reduce("SUM", sums[0], axis=None))
-            correct += float(self.strategy.reduce("SUM", sums[1], axis=None))
+            # Summed as tensors, read once per epoch: a float() here would make the host wait for every call
+            # before launching the next, and the GPU would idle in between.
+            loss += self.strategy.reduce("SUM", sums[0], axis=None)
+            correct += self.strategy.reduce("SUM", sums[1], axis=None)
 
     @tf.function
     def count_correct(self, batches):
