@@ -53,6 +53,8 @@ class HookState:
     fused_emulated_on_cpu: bool = False
     # Whether the per-output sample weights warning (`loss_share_while_tracing`) was logged in this process.
     warned_per_output_weights: bool = False
+    # The callback classes already named for keeping fit's batch ends on the training thread (logged once each).
+    named_blocking_callbacks: set = dataclasses.field(default_factory=set)
 
 
 _STATE = HookState()
@@ -63,6 +65,7 @@ def reset_hooks_for_tests() -> None:
     uninstall_keras_hooks()
     _STATE.problem = None
     _STATE.warned_per_output_weights = False
+    _STATE.named_blocking_callbacks.clear()
 
 
 def keras_hook_problem() -> str | None:
@@ -630,14 +633,24 @@ def batch_ends_dispatch_asynchronously(callbacks) -> tuple[bool, bool, bool]:
     Keras' default (`CallbackList._configure_async_dispatch`, Keras 3.12 to 3.15, without its backend check)."""
     from keras.src.utils.python_utils import is_default  # noqa: PLC0415
 
-    train = test = predict = True
+    train = not callbacks_needing_train_batch_ends(callbacks)
+    test = predict = True
     for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
         if getattr(callback, "async_safe", False):
             continue
-        train = train and is_default(callback.on_batch_end) and is_default(callback.on_train_batch_end)
         test = test and is_default(callback.on_test_batch_end)
         predict = predict and is_default(callback.on_predict_batch_end)
     return train, test, predict
+
+
+def callbacks_needing_train_batch_ends(callbacks) -> list[str]:
+    """The class names of the user `callbacks` that keep fit's batch ends on the training thread by Keras' rule:
+    not `async_safe`, and with their own `on_batch_end` or `on_train_batch_end`."""
+    from keras.src.utils.python_utils import is_default  # noqa: PLC0415
+
+    return [type(callback).__name__ for callback in (callbacks if isinstance(callbacks, (list, tuple)) else ())
+            if not getattr(callback, "async_safe", False)
+            and not (is_default(callback.on_batch_end) and is_default(callback.on_train_batch_end))]
 
 
 def _install_batch_end_dispatch_hook() -> None:
@@ -660,11 +673,22 @@ def _install_batch_end_dispatch_hook() -> None:
         original(self, callbacks, *args, model=model, **kwargs)
         if model is not None and _STATE.is_ours(getattr(model, "_distribute_strategy", None)):
             self._async_train, self._async_test, self._async_predict = batch_ends_dispatch_asynchronously(callbacks)
+            _name_blocking_callbacks(callbacks_needing_train_batch_ends(callbacks))
             if (self._async_train or self._async_test or self._async_predict) and self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                        thread_name_prefix="tf_nvlink_batch_ends")
 
     callback_list.__init__ = __init__
+
+
+def _name_blocking_callbacks(names: list[str]) -> None:
+    new = sorted(set(names) - _STATE.named_blocking_callbacks)
+    if new:
+        _STATE.named_blocking_callbacks.update(new)
+        log.info("tf_nvlink: fit's batch ends run on the training thread because %s define(s) on_train_batch_end or "
+                 "on_batch_end without async_safe = True: the host waits for the GPU to finish every call before "
+                 "it launches the next. Set async_safe = True on a callback whose batch ends may run on another "
+                 "thread (in order), or leave batch ends out of it.", ", ".join(new))
 
 
 def in_xla_context() -> bool:

@@ -155,9 +155,13 @@ class Recorder(keras.callbacks.Callback):
 class NeedsBatchEnds(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         pass
+import logging
+said = []
+handler = logging.Handler(); handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("tf_nvlink").addHandler(handler); logging.getLogger("tf_nvlink").setLevel(logging.INFO)
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
-result = {}
-for name, extra in (("async", []), ("sync", [NeedsBatchEnds()])):
+result = {"said": said}
+for name, extra in (("async", []), ("sync", [NeedsBatchEnds()]), ("sync again", [NeedsBatchEnds()])):
     with strategy.scope():
         model = build(); compile_(model)
     recorder = Recorder()
@@ -186,6 +190,8 @@ def test_batch_ends_run_off_the_training_thread_by_keras_rule_with_each_calls_ow
     np.testing.assert_allclose([loss for _, loss, _ in asynchronous["seen"]],
                                [loss for _, loss, _ in synchronous["seen"]], rtol=1e-6)
     np.testing.assert_allclose(asynchronous["history"], synchronous["history"], rtol=1e-6)
+    named = [line for line in out["said"] if "batch ends run on the training thread" in line]
+    assert len(named) == 1 and "because NeedsBatchEnds define(s)" in named[0] and "async_safe = True" in named[0]
 
 
 def test_each_replica_gets_its_own_xla_compiled_step():
