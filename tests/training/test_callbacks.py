@@ -109,3 +109,18 @@ def test_backup_is_consistent_whenever_the_save_is_killed(tf, tmp_path):
     for key, message in out.items():
         if key not in ("weights rename", "metadata rename", "None"):
             assert message.startswith(f"{metadata} cannot be resumed from: ") and "Delete" in message, (key, message)
+
+
+def test_backup_lets_fits_batch_ends_leave_the_training_thread_while_keras_int_frequency_keeps_them(tf, tmp_path):
+    """Its batch end does nothing (epoch frequency), so it is async-safe by Keras' rule; Keras' BackupAndRestore
+    with an int save_freq saves at batch ends and keeps them on the training thread."""
+    import keras
+
+    from tf_nvlink import internals
+    from tf_nvlink.training import callbacks
+
+    ours = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"))
+    keras_every_10 = keras.callbacks.BackupAndRestore(str(tmp_path / "keras"), save_freq=10)
+    assert internals.batch_ends_dispatch_asynchronously([ours]) == (True, True, True)
+    assert internals.callbacks_needing_train_batch_ends([ours, keras_every_10]) == ["BackupAndRestore"]
+    assert internals.batch_ends_dispatch_asynchronously([ours, keras_every_10])[0] is False

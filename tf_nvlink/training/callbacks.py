@@ -100,6 +100,10 @@ class AtomicBackupAndRestore(internals.backup_and_restore_base()):
     between the last epoch and the final save loses nothing either.
     """
 
+    # Its batch end does nothing at save_freq="epoch" (Keras' BackupAndRestore saves there only at an int
+    # save_freq), so fit's batch ends may leave the training thread with it in the list (Keras' rule).
+    async_safe = True
+
     def __init__(self, directory, write=True):
         super().__init__(backup_dir=directory, save_freq="epoch", delete_checkpoint=False)
         self.write = write  # False on the non-chief workers of a multi-worker run: they resume, the chief writes
