@@ -627,30 +627,25 @@ def _install_epoch_iterator_hook() -> None:
     EpochIterator._enumerate_iterator = _enumerate_iterator
 
 
+_BATCH_END_METHODS = {"train": ("on_batch_end", "on_train_batch_end"), "test": ("on_test_batch_end",),
+                      "predict": ("on_predict_batch_end",)}
+
+
 def batch_ends_dispatch_asynchronously(callbacks) -> tuple[bool, bool, bool]:
     """(train, test, predict): whether Keras' rule lets batch ends of fit, evaluate and predict run off the
     training thread with these user `callbacks`: each one is `async_safe` or leaves that batch-end method as
     Keras' default (`CallbackList._configure_async_dispatch`, Keras 3.12 to 3.15, without its backend check)."""
-    from keras.src.utils.python_utils import is_default  # noqa: PLC0415
-
-    train = not callbacks_needing_train_batch_ends(callbacks)
-    test = predict = True
-    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
-        if getattr(callback, "async_safe", False):
-            continue
-        test = test and is_default(callback.on_test_batch_end)
-        predict = predict and is_default(callback.on_predict_batch_end)
-    return train, test, predict
+    return tuple(not callbacks_needing_batch_ends(callbacks, kind) for kind in ("train", "test", "predict"))
 
 
-def callbacks_needing_train_batch_ends(callbacks) -> list[str]:
-    """The class names of the user `callbacks` that keep fit's batch ends on the training thread by Keras' rule:
-    not `async_safe`, and with their own `on_batch_end` or `on_train_batch_end`."""
+def callbacks_needing_batch_ends(callbacks, kind: str = "train") -> list[str]:
+    """The class names of the user `callbacks` that keep the batch ends of `kind` ("train": fit, "test":
+    evaluate, "predict") on the training thread by Keras' rule: not `async_safe`, and with their own method."""
     from keras.src.utils.python_utils import is_default  # noqa: PLC0415
 
     return [type(callback).__name__ for callback in (callbacks if isinstance(callbacks, (list, tuple)) else ())
             if not getattr(callback, "async_safe", False)
-            and not (is_default(callback.on_batch_end) and is_default(callback.on_train_batch_end))]
+            and not all(is_default(getattr(callback, method)) for method in _BATCH_END_METHODS[kind])]
 
 
 def _install_batch_end_dispatch_hook() -> None:
@@ -673,7 +668,7 @@ def _install_batch_end_dispatch_hook() -> None:
         original(self, callbacks, *args, model=model, **kwargs)
         if model is not None and _STATE.is_ours(getattr(model, "_distribute_strategy", None)):
             self._async_train, self._async_test, self._async_predict = batch_ends_dispatch_asynchronously(callbacks)
-            _name_blocking_callbacks(callbacks_needing_train_batch_ends(callbacks))
+            _name_blocking_callbacks(callbacks_needing_batch_ends(callbacks, "train"))
             if (self._async_train or self._async_test or self._async_predict) and self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                        thread_name_prefix="tf_nvlink_batch_ends")

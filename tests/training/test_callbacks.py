@@ -122,5 +122,5 @@ def test_backup_lets_fits_batch_ends_leave_the_training_thread_while_keras_int_f
     ours = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"))
     keras_every_10 = keras.callbacks.BackupAndRestore(str(tmp_path / "keras"), save_freq=10)
     assert internals.batch_ends_dispatch_asynchronously([ours]) == (True, True, True)
-    assert internals.callbacks_needing_train_batch_ends([ours, keras_every_10]) == ["BackupAndRestore"]
+    assert internals.callbacks_needing_batch_ends([ours, keras_every_10], "train") == ["BackupAndRestore"]
     assert internals.batch_ends_dispatch_asynchronously([ours, keras_every_10])[0] is False
