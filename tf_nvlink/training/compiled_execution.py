@@ -367,7 +367,7 @@ class CompiledExecution:
                     outputs = self._outer(padded, tf.constant(len(group), tf.int32))
                 elif (ahead := self._copy_ahead(iterator)) is not None:
                     outputs, staged = self._outer_copying_ahead(tuple(group), ahead)
-                    self._taken_ahead[:] = list(staged) if isinstance(staged, (tuple, list)) else [staged]
+                    self._taken_ahead[:] = staged  # strategy.run gives back the tuple of N batches, on the devices
                     self.copied_ahead += 1
                 else:
                     outputs = self._outer(tuple(group))
