@@ -13,6 +13,8 @@ after a warm-up fit that compiles:
   deep         the compiled execution with 2N batches prefetched to each device (`input_buffer=2N`): the next
                execution's batches are then fetched while the one before it runs (TensorFlow's prefetch to the
                GPU copies an element only after the kernels queued before the copy);
+  restaged     the compiled execution with its input staged anew at every fit (`reuse_staged_input = False`): the
+               default stages a tf.data dataset once per model, so later fits skip tracing its tf.data functions;
   host-input   the compiled execution with its batches kept in pinned host memory (not prefetched to the GPU):
                each full execution's function also copies the next execution's batches to the GPU, copies the
                program does not wait for, so they run beside it and no element waits for a device-to-host copy;
@@ -56,8 +58,9 @@ from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
-SETUPS = ("spe=1", "per-step", "compiled", "pageable", "count-on-device", "deep", "host-input", "resident", "torch")
-COMPILED_SETUPS = ("compiled", "pageable", "count-on-device", "deep", "host-input", "resident", "advised")
+SETUPS = ("spe=1", "per-step", "compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident",
+          "torch")
+COMPILED_SETUPS = ("compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "advised")
 PROFILED_SETUPS = ("compiled", "host-input")  # the doctor profiles these after the rounds
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
@@ -148,6 +151,8 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
                                              resident=setup == "resident")
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
+        if setup == "restaged":
+            model.train_function.reuse_staged_input = False  # the next fits stage their input anew, as each did
         if setup == "pageable":
             model.train_function.pinned_input = False  # the next fits' input is distributed from pageable memory
         if setup == "host-input":

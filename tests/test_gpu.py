@@ -284,6 +284,8 @@ def _assert_compiled_equals_per_step(results):
         np.testing.assert_allclose(compiled["evaluate"], per_step["evaluate"], rtol=1e-5, atol=1e-6, err_msg=case)
         if case == "host_input":  # its second fit's full executions copied the next one's batches to the device
             assert compiled["copied_ahead"] == 2, compiled["copied_ahead"]
+        if case == "steps_per_epoch":  # two fits of the same tf.data datasets (validation too), each staged once
+            assert compiled["stagings"] == 2, compiled["stagings"]
 
 
 @needs_gpu

@@ -25,7 +25,7 @@ def _cases_body(layout, cases):
 
 # Started in the background when the tests are collected (tests/scenarios.py), so they run beside other tests.
 # The default run's cases on 2 replicas: steps_per_epoch (full executions, partial ones of full and short batches,
-# 3 epochs) and host_input (the batches kept in host memory, the execution's function copying them); the one-replica run adds numpy input and the rest of fit (validation, checkpoints, backup and
+# 3 epochs in two fits of the same tf.data datasets, with validation) and host_input (the batches kept in host memory, the execution's function copying them); the one-replica run adds numpy input and the rest of fit (validation, checkpoints, backup and
 # resume, predict). The slow tier's on 2 replicas: numpy input, a dataset of unknown length, the rest of fit, a
 # LossScaleOptimizer, gradient accumulation and a model without BatchNorm (the GPU tests run them all under XLA).
 _TWO_CASES = ["steps_per_epoch", "host_input"]
@@ -71,6 +71,8 @@ def test_two_replicas_compiled_equal_per_step_training(case):
     # host_input: the host batches of the second fit's next execution copied while the one before ran, twice
     assert compiled["copied_ahead"] == (2 if case == "host_input" else 0)
     assert compiled["iterations"] == steps
+    if case == "steps_per_epoch":  # two fits of the same tf.data datasets, each staged once (validation too)
+        assert (compiled["stagings"], per_step["stagings"]) == (2, 0)
     if case != "unknown_length":  # per step, Keras counts the call that finds the data at its end as a step too
         assert per_step["iterations"] == steps
     if case == "rest_of_fit":
@@ -192,6 +194,45 @@ def test_restage_input_prefetches_the_asked_depth_and_leaves_a_distributed_datas
     assert not internals.restage_input(model, epoch_iterator, 16) and len(seen) == 2
 
 
+def test_restage_input_stages_a_users_tf_data_dataset_once_per_model(tf):
+    """A user's tf.data dataset is staged once and taken again by later fits, evaluates and validation epochs of
+    the same model under the same staging; numpy input (a new dataset every call) is not kept; at most two are
+    kept per model (fit's input and its validation data), and nothing keeps the model alive."""
+    import gc
+    import weakref
+
+    from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
+
+    from tf_nvlink import internals
+
+    built = []
+    strategy = types.SimpleNamespace(experimental_distribute_dataset=lambda dataset, options: built.append(
+        dataset) or object())
+    model = type("Model", (), {"distribute_strategy": strategy})()
+
+    def restage(adapter, key=(4, True, True)):
+        epoch_iterator = types.SimpleNamespace(_distributed_dataset=None, data_adapter=adapter)
+        assert internals.restage_input(model, epoch_iterator, 4, transform=lambda d: d.map(lambda v: v),
+                                       reuse_key=key)
+        return epoch_iterator._distributed_dataset
+
+    train, validation, other = (tf_dataset_adapter.TFDatasetAdapter(tf.data.Dataset.range(n)) for n in (4, 2, 3))
+    first = restage(train)
+    assert restage(validation) is not first and len(built) == 2
+    assert restage(train) is first and restage(validation) is restage(validation) and len(built) == 2
+    assert restage(train, key=(8, True, True)) is not first and len(built) == 3  # another staging: built again
+    restage(other)  # a third dataset: the least recently used one goes
+    assert len(built) == 4 and restage(validation) is not None and len(built) == 5
+    arrays = array_data_adapter.ArrayDataAdapter(np.arange(6.0), batch_size=3)
+    restage(arrays)
+    restage(arrays)
+    assert len(built) == 7  # numpy input is restaged every time, never kept
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert model_ref() is None and not any(True for _ in internals._RESTAGED.keys())
+
+
 def _xla_loop_hlo(tf, count):
     """The optimized HLO of a jit program whose loop runs `count` times (an int, or a tensor) on CPU."""
     from tf_nvlink.training.compiled_execution import execution_body
@@ -251,8 +292,8 @@ def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf)
     from tf_nvlink.training import compiled_execution
 
     model = _model()
-    depth, transform, restore, to_device = compiled_execution.input_staging(model)
-    assert (depth, restore, to_device) == (4, compiled_execution.restored_ints, True)
+    depth, transform, restore, to_device, reuse_key = compiled_execution.input_staging(model)
+    assert (depth, restore, to_device, reuse_key) == (4, compiled_execution.restored_ints, True, (4, True, True))
     dataset = tf.data.Dataset.from_tensors((np.ones((2, 3), "float32"), np.arange(2, dtype="int32"))).repeat(3)
     staged = transform(dataset)
     assert isinstance(staged.element_spec[1], compiled_execution.Int32Bits)
@@ -262,7 +303,9 @@ def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf)
     model.train_function = types.SimpleNamespace(pinned_input=False)  # the benchmark's pageable setup
     assert compiled_execution.input_staging(model).transform is compiled_execution.int32_as_bits
     model.train_function = types.SimpleNamespace(input_to_device=False)  # the benchmark's host-input setup
-    assert compiled_execution.input_staging(model).to_device is False
+    assert compiled_execution.input_staging(model)[3:] == (False, (4, True, False))
+    model.train_function = types.SimpleNamespace(reuse_staged_input=False)  # the benchmark's restaged setup
+    assert compiled_execution.input_staging(model).reuse_key is None
     assert compiled_execution.input_staging(_model(compiled=False)) is None
 
 

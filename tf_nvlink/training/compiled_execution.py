@@ -96,12 +96,15 @@ class InputStaging(NamedTuple):
     """How fit's and evaluate's input reaches the compiled execution (`internals.restage_input` applies it):
     `depth` batches prefetched per replica, `transform` run on the host dataset first, `restore(batch)` giving a
     staged batch back as the model takes it, and `to_device`: prefetched to the replicas' devices (TensorFlow's
-    prefetch to the GPU) or kept in host memory, the execution's function copying them."""
+    prefetch to the GPU) or kept in host memory, the execution's function copying them. `reuse_key` says what the
+    staging depends on besides the dataset: a user's tf.data dataset staged before under the same key is not
+    staged again (its tf.data functions are traced once, not at every fit and every epoch's validation)."""
 
     depth: int
     transform: Callable
     restore: Callable
     to_device: bool = True
+    reuse_key: Optional[tuple] = None
 
 
 def input_staging(model) -> Optional[InputStaging]:
@@ -109,19 +112,23 @@ def input_staging(model) -> Optional[InputStaging]:
     prefetched to each device, their int32 parts carried as uint32 bits (`int32_as_bits`; `restored_ints` undoes
     it), copied from pinned host memory (`pinned_batches`). The model's compiled execution can say otherwise:
     `pinned_input = False` (pageable host memory), `input_to_device = False` (kept on the host; the benchmark
-    compares both).
+    compares both), `reuse_staged_input = False` (a tf.data dataset staged anew at every fit and evaluate).
 
     Example:
         >>> input_staging(model)     # steps_per_execution=16, compiled
-        InputStaging(depth=16, transform=<function ...>, restore=<function restored_ints ...>, to_device=True)
+        InputStaging(depth=16, transform=<function ...>, restore=<function restored_ints ...>, to_device=True,
+                     reuse_key=(16, True, True))
     """
     depth = input_depth(model)
     if depth is None:
         return None
     function = getattr(model, "train_function", None)
     pinned = getattr(function, "pinned_input", True)
+    to_device = getattr(function, "input_to_device", True)
     return InputStaging(depth, (lambda dataset: pinned_batches(int32_as_bits(dataset))) if pinned else int32_as_bits,
-                        restored_ints, getattr(function, "input_to_device", True))
+                        restored_ints, to_device,
+                        reuse_key=(depth, bool(pinned), bool(to_device))
+                        if getattr(function, "reuse_staged_input", True) else None)
 
 
 class Int32Bits(NamedTuple):
@@ -293,6 +300,7 @@ class CompiledExecution:
         self.copied_ahead = 0  # executions that copied the next one's host batches to the devices (tests read it)
         self.pinned_input = True  # the input copied from pinned host memory (see `input_staging`)
         self.input_to_device = True  # the input prefetched to the replicas' devices (see `input_staging`)
+        self.reuse_staged_input = True  # a tf.data dataset staged once per model (see `input_staging`)
         self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
             self.step.body_for(replica_id), full))
         self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran
