@@ -275,7 +275,7 @@ def test_outputs_table_json_chart(tmp_path):
 
 def test_input_copy_rate_from_the_batch_bytes_and_the_copy_time():
     """The report says the input's bytes per step and the rate the GPU copied them at (GB/s); a rate only
-    pageable host memory gives is named as such."""
+    pageable host memory gives is named as such, unless the copy is too small for its rate to say so."""
     space = xspace({"/device:GPU:0": host_bound_steps()})  # 1 ms of MemcpyH2D per step
     batch = dataclasses.replace(CONTEXT_1, batch_bytes=19_267_584)  # 128 uint8 images of 224x224x3
     report, _ = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=batch)
@@ -286,6 +286,9 @@ def test_input_copy_rate_from_the_batch_bytes_and_the_copy_time():
     slow = dataclasses.replace(CONTEXT_1, batch_bytes=5_000_000)
     report, _ = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=slow)
     assert report["input_copy"]["gb_per_s"] == pytest.approx(5.0) and "pageable" in report["input_copy"]["note"]
+    tokens = dataclasses.replace(CONTEXT_1, batch_bytes=16_384)  # 8 x 512 int32 tokens: 16 KiB in 1 ms
+    report, _ = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=tokens)
+    assert report["input_copy"]["note"] == "a small copy: its fixed cost, not the host memory, sets the rate"
     unknown, _ = diagnose_space(space, step_ms=30.0, steps=4, calls=4, context=CONTEXT_1)
     assert unknown["input_copy"] is None and "input copy:" not in outputs.render_table(unknown)
 
