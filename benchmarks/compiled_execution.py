@@ -61,7 +61,7 @@ DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
 SETUPS = ("spe=1", "per-step", "compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident",
           "torch")
 COMPILED_SETUPS = ("compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "advised")
-PROFILED_SETUPS = ("compiled", "host-input")  # the doctor profiles these after the rounds
+PROFILED_SETUPS = ("compiled", "host-input", "deep")  # the doctor profiles those run, after the rounds
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
