@@ -276,6 +276,10 @@ def test_keras_internals_the_hook_relies_on():
     epoch_iterator_init = inspect.getsource(tf_trainer.TFEpochIterator.__init__)
     assert "self._distributed_dataset = dataset" in epoch_iterator_init
     assert "experimental_distribute_dataset(" in epoch_iterator_init
+    # restage_input keeps a user's tf.data dataset staged: Keras' adapter hands that very dataset back
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+    assert "self._dataset = dataset" in inspect.getsource(tf_dataset_adapter.TFDatasetAdapter.__init__)
+    assert "return self._dataset" in inspect.getsource(tf_dataset_adapter.TFDatasetAdapter.get_tf_dataset)
     fit = inspect.getsource(TensorFlowTrainer.fit)
     assert fit.index("self._maybe_symbolic_build(iterator=epoch_iterator)") < fit.index("epoch_iterator.reset()")
     assert "def reduce_per_replica(values, strategy, reduction)" in inspect.getsource(tf_trainer.reduce_per_replica)
