@@ -69,10 +69,10 @@ for stage in $stages; do
     profile) run profile "$py" -m tf_nvlink.tools.training_bench --model resnet50 --rounds 1 --steps 30 \
                --candidates 1gpu,onedevice,auto --profile "$out/profile" --json "$out/profile.json" ;;
     compiled) run compiled "$py" benchmarks/compiled_execution.py --models resnet50 --rounds 3 \
-                --setups spe=1,per-step,compiled,deep,host-input,torch \
+                --setups spe=1,per-step,compiled,deep,host-input,resident,torch \
                 --json "$out/compiled_r50.json" --output_dir "$out/doctor" ;;
     compiled_transformer) run compiled_transformer "$py" benchmarks/compiled_execution.py --models transformer \
-                            --rounds 3 --steps 48 --warmup_steps 16 --setups spe=1,per-step,compiled,deep,host-input \
+                            --rounds 3 --steps 48 --warmup_steps 16 --setups spe=1,per-step,compiled,restaged,deep,host-input \
                             --json "$out/compiled_tfm.json" --output_dir "$out/doctor" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
