@@ -132,10 +132,10 @@ def uninstall_keras_hooks() -> None:
 
 # The compiled execution's restaged input, per model (weakly keyed): a user's own tf.data dataset is distributed
 # again once, and later fits and evaluates of the same dataset object (and every epoch's validation of one fit)
-# take the same distributed dataset. At most `_RESTAGED_PER_MODEL` are kept per model (fit's input and its
-# validation data); each keeps its source dataset alive until the model goes or a newer one replaces it.
+# take the same distributed dataset. At most `_RESTAGED_PER_MODEL` are kept per model (fit's input, its validation
+# data and evaluate's test data); each keeps its source dataset alive until the model goes or a newer one replaces it.
 _RESTAGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_RESTAGED_PER_MODEL = 2
+_RESTAGED_PER_MODEL = 3
 
 
 def restage_input(model, epoch_iterator, depth, transform=None, to_device=True,

@@ -196,8 +196,8 @@ def test_restage_input_prefetches_the_asked_depth_and_leaves_a_distributed_datas
 
 def test_restage_input_stages_a_users_tf_data_dataset_once_per_model(tf):
     """A user's tf.data dataset is staged once and taken again by later fits, evaluates and validation epochs of
-    the same model under the same staging; numpy input (a new dataset every call) is not kept; at most two are
-    kept per model (fit's input and its validation data), and nothing keeps the model alive."""
+    the same model under the same staging; numpy input (a new dataset every call) is not kept; at most three are
+    kept per model (fit's input, its validation data, evaluate's test data), and nothing keeps the model alive."""
     import gc
     import weakref
 
@@ -221,8 +221,9 @@ def test_restage_input_stages_a_users_tf_data_dataset_once_per_model(tf):
     assert restage(validation) is not first and len(built) == 2
     assert restage(train) is first and restage(validation) is restage(validation) and len(built) == 2
     assert restage(train, key=(8, True, True)) is not first and len(built) == 3  # another staging: built again
-    restage(other)  # a third dataset: the least recently used one goes
-    assert len(built) == 4 and restage(validation) is not None and len(built) == 5
+    restage(other)  # a fourth: the least recently used one (train at depth 4) goes
+    assert len(built) == 4 and restage(validation) is not None and len(built) == 4
+    assert restage(train) is not first and len(built) == 5
     arrays = array_data_adapter.ArrayDataAdapter(np.arange(6.0), batch_size=3)
     restage(arrays)
     restage(arrays)
