@@ -158,7 +158,8 @@ def restage_input(model, epoch_iterator, depth, transform=None, to_device=True,
     source = epoch_iterator.data_adapter.get_tf_dataset()
     if isinstance(source, tf.distribute.DistributedDataset):
         return False
-    kept = _kept_restaged(model) if reuse_key is not None and _is_user_tf_dataset(epoch_iterator) else None
+    reusable = reuse_key is not None and _is_user_tf_dataset(epoch_iterator)
+    kept = _RESTAGED.setdefault(model, {}) if reusable else None
     key = (id(source), reuse_key)
     if kept is not None and key in kept and kept[key][0] is source:
         kept[key] = kept.pop(key)  # the most recently used last
@@ -176,13 +177,6 @@ def restage_input(model, epoch_iterator, depth, transform=None, to_device=True,
         while len(kept) > _RESTAGED_PER_MODEL:
             del kept[next(iter(kept))]
     return True
-
-
-def _kept_restaged(model) -> dict | None:
-    try:
-        return _RESTAGED.setdefault(model, {})
-    except TypeError:  # not weakly referenceable: nothing is kept
-        return None
 
 
 def _is_user_tf_dataset(epoch_iterator) -> bool:
