@@ -306,17 +306,11 @@ def render(record: dict) -> str:
         if mean:
             lines.append(f"doctor ({fed}, N={record['steps_per_execution']}): step {mean['step_ms']:.2f} ms, "
                          f"compute {mean['compute_ms']:.2f} ms, GPU idle {mean['idle_ms']:.2f} ms "
-                         f"({mean['idle_ms'] / mean['step_ms']:.1%}), {_span_text(mean)}input copy exposed "
-                         f"{mean['exposed_h2d_ms']:.2f} ms; input copy {json.dumps(compiled.get('input_copy'))}")
+                         f"({mean['idle_ms'] / mean['step_ms']:.1%}), input copy exposed {mean['exposed_h2d_ms']:.2f} "
+                         f"ms; input copy {json.dumps(compiled.get('input_copy'))}")
         elif compiled:
             lines.append(f"doctor ({fed}): {compiled.get('unavailable')}")
     return "\n".join(lines)
-
-
-def _span_text(mean: dict) -> str:
-    """The doctor's GPU span per step (first GPU event to last of its window) against its compute, when known."""
-    span = mean.get("gpu_span_ms")
-    return f"GPU span {span:.2f} ms ({span / mean['compute_ms']:.3f}x compute), " if span else ""
 
 
 def main(argv):

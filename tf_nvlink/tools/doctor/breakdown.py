@@ -9,9 +9,6 @@ host between its predecessor's last kernel and its own first, which `steps_per_e
 `boundary_idle` (per call) is the idle part of the `calls - 1` longest gaps between compute (and collective)
 kernels, the copies inside them left out: everything the GPU waits for between one call's program and the next
 (the batch fetched, the program launched), where `per_call_gap` is only its longest idle stretch.
-`gpu_span` is the time from the window's first GPU event to its last, per step: the step as the GPU saw it,
-without the host's time before the window's first kernel and after its last (where the profiler starts and
-stops).
 
 Example:
     >>> b = replica_breakdown(activity, step_ms=33.6, steps=10, calls=10)
@@ -92,7 +89,6 @@ class ReplicaBreakdown:
     calls_per_step: float
     top_kernels: tuple[tuple[str, float], ...]
     boundary_idle_ms: float = 0.0
-    gpu_span_ms: float = 0.0
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -132,8 +128,7 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
         busy_ms=busy_ms, idle_ms=max(step_ms - busy_ms, 0.0), per_call_gap_ms=per_call_gap_ms,
         calls_per_step=calls / steps,
         top_kernels=tuple((name[:80], duration * per_step) for name, duration in top_kernels),
-        boundary_idle_ms=boundary_idle_ms,
-        gpu_span_ms=(everything[-1][1] - everything[0][0]) * per_step if everything else 0.0)
+        boundary_idle_ms=boundary_idle_ms)
 
 
 def mean_breakdown(replicas: Sequence[ReplicaBreakdown]) -> ReplicaBreakdown:
