@@ -4,8 +4,9 @@
 #   bash benchmarks/reproduce.sh OUTDIR [STAGE...]     stages: report allreduce tests mlp resnet50 workers (default)
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
 #                                                      transformer p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu
-#                                                      onegpu8 compiled compiled_transformer (each about 10
-#                                                      minutes or less; one per command; the compiled ones on 1 GPU)
+#                                                      onegpu8 compiled compiled_transformer compiled_long (each
+#                                                      about 10 minutes or less; one per command; the compiled
+#                                                      ones on 1 GPU)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
@@ -74,10 +75,17 @@ for stage in $stages; do
     compiled_transformer) run compiled_transformer "$py" benchmarks/compiled_execution.py --models transformer \
                             --rounds 3 --steps 48 --warmup_steps 16 --setups spe=1,per-step,compiled,restaged,deep,host-input \
                             --json "$out/compiled_tfm.json" --output_dir "$out/doctor" ;;
+    compiled_long)  # whole fits long enough that each fit's start weighs little (0.1-0.3 ms a step)
+      run compiled_tfm_long "$py" benchmarks/compiled_execution.py --models transformer --rounds 3 --steps 288 \
+        --warmup_steps 16 --nodoctor_n --setups spe=1,per-step,compiled --json "$out/compiled_tfm_long.json" \
+        --output_dir "$out/doctor_long"
+      run compiled_r50_long "$py" benchmarks/compiled_execution.py --models resnet50 --rounds 5 --steps 192 \
+        --nodoctor_n --setups spe=1,per-step,compiled,torch --json "$out/compiled_r50_long.json" \
+        --output_dir "$out/doctor_long" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
             "p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu onegpu8 compiled" \
-            "compiled_transformer" >&2; exit 2 ;;
+            "compiled_transformer compiled_long" >&2; exit 2 ;;
   esac
 done
 exit $status
