@@ -160,8 +160,8 @@ def restage_input(model, epoch_iterator, depth, transform=None, to_device=True,
         return False
     reusable = reuse_key is not None and _is_user_tf_dataset(epoch_iterator)
     kept = _RESTAGED.setdefault(model, {}) if reusable else None
-    key = (id(source), reuse_key)
-    if kept is not None and key in kept and kept[key][0] is source:
+    key = (id(source), reuse_key)  # each entry holds its source, so no other dataset can have that id meanwhile
+    if kept is not None and key in kept:
         kept[key] = kept.pop(key)  # the most recently used last
         epoch_iterator._distributed_dataset = kept[key][1]  # noqa: SLF001
         return True
