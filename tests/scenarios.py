@@ -215,9 +215,10 @@ _LOCK = threading.Lock()
 class Scenario:
     """One subprocess running `prelude` once, then every case of `cases` ({name: body}); see the module doc."""
 
-    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False, preload=None):
+    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False, preload=None, long=False):
         self.name, self.prelude, self.cases = name, prelude, dict(cases)
         self.slow = slow  # started in the background only when a selected test of its module is marked slow
+        self.long = long  # started before the others: a long process started last would end the run alone
         self.env, self.timeout = dict(env or {}), timeout
         # Forked from the process that imported TensorFlow, unless its own environment must be there at import.
         self.preload = not self.env if preload is None else preload
@@ -290,14 +291,14 @@ class Scenario:
 
 
 def start_for(items):
-    """Starts the scenarios of the modules that `items` test in background threads, in declaration order, as many
-    processes at a time as the machine has cores."""
+    """Starts the scenarios of the modules that `items` test in background threads, the long ones first, then in
+    declaration order, as many processes at a time as the machine has cores."""
     modules = {str(item.fspath) for item in items}
     with_slow = {str(item.fspath) for item in items if item.get_closest_marker("slow")}
     wanted = [scenario for scenario in _DECLARED
               if scenario.module in (with_slow if scenario.slow else modules)]
 
-    queue = list(wanted)
+    queue = sorted(wanted, key=lambda scenario: not scenario.long)  # stable: declaration order otherwise
 
     def run_in_turn():  # each runner starts the next scenario not yet started (a test may have started it)
         while True:
