@@ -20,13 +20,15 @@ Custom training loops: `average_loss(per_example_loss)` is the same rule for a u
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import tensorflow as tf
 
 from tf_nvlink.internals import cross_replica_sum_impossible_here, loss_share_while_tracing
 
-__all__ = ["average_loss", "examples_in", "replica_share", "replica_shares", "weighted_by_examples"]
+__all__ = ["average_loss", "examples_in", "open_batch_dimension", "replica_share", "replica_shares",
+           "split_over_replicas", "weighted_by_examples", "with_metrics_across_replicas"]
 
 
 def examples_in(data) -> tf.Tensor:
@@ -41,6 +43,92 @@ def examples_in(data) -> tf.Tensor:
         if isinstance(leaf, (tf.Tensor, tf.Variable)) or hasattr(leaf, "shape"):
             return tf.shape(leaf)[0]
     raise ValueError(f"Cannot count the examples of a batch without tensors: {data!r}")
+
+
+def with_metrics_across_replicas(model, logs):
+    """A train/test function's `logs` (its last step's, each value reduced over the replicas) with every value that
+    is one of the model's metrics (the loss tracker, each output's loss, compiled metrics) read over all replicas:
+    the metric's state summed over the replicas, its result computed once, as one device computes it. Other
+    values and logs that are not a dict stay as they are. In a tf.function (the compiled execution's launch) it
+    adds the reads to that function; eagerly it runs them as one.
+
+    Why: Keras' function reduces each replica's result with a mean, so a step split 3 + 2 (or 1 + 0) logs the
+    mean of the replicas' means, not the global one: what `train_on_batch`/`test_on_batch` return and what
+    batch-end callbacks and the progress bar see (fit's epoch logs read the metrics across replicas already).
+
+    Example:
+        >>> logs = with_metrics_across_replicas(model, train_function(iterator))
+    """
+    if not isinstance(logs, dict) or model.distribute_strategy.num_replicas_in_sync < 2:
+        return logs
+    if tf.executing_eagerly():
+        metrics = tuple(id(metric) for metric in model.metrics)  # compile() makes new ones
+        if _METRIC_READS.get(model, (None,))[0] != metrics:
+            _METRIC_READS[model] = (metrics, tf.function(lambda: _metric_results(model), autograph=False))
+        results = _METRIC_READS[model][1]()
+    else:
+        results = _metric_results(model)
+    return {key: results[key] if key in results else value for key, value in logs.items()}
+
+
+_METRIC_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its metrics' ids, their reads)
+
+
+def _metric_results(model) -> dict:
+    results = {}
+    for metric in model.metrics:
+        result = metric.result()
+        results.update(result if isinstance(result, dict) else {metric.name: result})
+    return results
+
+
+def split_over_replicas(strategy, batch):
+    """`batch` (a nest of numpy arrays or tensors of one batch size) split along its first dimension over the
+    strategy's replicas, in order, the first replicas one example more where it does not divide (as tf.data splits
+    a global batch): a nest of per-replica values for `strategy.run`. None when the batch cannot be split (no
+    arrays, a scalar, parts of different batch sizes): then it is not.
+
+    Example:
+        >>> split_over_replicas(strategy, (np.zeros((5, 4)), np.zeros((5, 1))))   # 3 + 2 rows on 2 replicas
+    """
+    leaves = tf.nest.flatten(batch)
+    sizes = {int(leaf.shape[0]) if getattr(leaf, "shape", None) is not None and len(leaf.shape) else None
+             for leaf in leaves}
+    if not leaves or len(sizes) != 1 or None in sizes:
+        return None
+    (size,) = sizes
+    replicas = strategy.num_replicas_in_sync
+    base, extra = divmod(size, replicas)
+    starts = [replica * base + min(replica, extra) for replica in range(replicas + 1)]
+
+    def share(context):
+        replica = context.replica_id_in_sync_group
+        return tf.nest.map_structure(lambda leaf: leaf[starts[replica]:starts[replica + 1]], batch)
+
+    return strategy.experimental_distribute_values_from_function(share)
+
+
+def open_batch_dimension(data):
+    """Inside a traced step: one replica's batch `data` with the leading dimension of each dense tensor unknown
+    to the trace, as Keras' own train function sees a batch it takes from a dataset whose batches may differ in
+    size. Inside XLA this is an identity (the program is compiled for the real shapes).
+
+    Why: a replica's step traced with its exact batch shape makes Keras log other numbers than one device. A
+    replica without examples has a fixed batch of 0: Keras' loss is then an empty array and its loss tracker
+    records NaN (an open 0 gives a loss of 0 that counts for nothing). And Keras weights each output's loss
+    metric (`<output>_loss`) by the batch size where the trace fixes it, by the step where it is open, so the
+    epoch's per-output losses of a fixed-shape trace weight a short last batch differently from one device's.
+
+    Example:
+        >>> step = lambda data: model.train_step(open_batch_dimension(data))   # inside strategy.run
+    """
+
+    def open_leaf(leaf):
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank and leaf.shape[0] is not None:
+            return tf.compat.v1.placeholder_with_default(leaf, tf.TensorShape([None]).concatenate(leaf.shape[1:]))
+        return leaf
+
+    return tf.nest.map_structure(open_leaf, data)
 
 
 def replica_share(examples) -> tf.Tensor:
@@ -79,14 +167,16 @@ def replica_shares(data) -> tuple:
 
 def weighted_by_examples(step_function: Callable) -> Callable:
     """`model.train_step` (or `test_step`) with each replica's loss scaled by its share of the global batch
-    (plain mode: the share's all-reduce sits in the same graph as the step). In a test step only the logged
-    per-output losses change: each replica's counts by its share, so a step counts once, as on one device.
+    (plain mode: the share's all-reduce sits in the same graph as the step), its batch dimension open
+    (`open_batch_dimension`). In a test step only the logged per-output losses change: each replica's counts by its
+    share, so a step counts once, as on one device.
 
     Example:
         >>> strategy.run(weighted_by_examples(model.train_step), args=(batch,))
     """
 
     def step(data):
+        data = open_batch_dimension(data)
         with loss_share_while_tracing(*replica_shares(data)):
             return step_function(data)
 

@@ -12,7 +12,7 @@ from tf_nvlink import internals
 from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, build_optimizer,
                                  loss_share_while_tracing, merge_call_explained, only_first_replica_variables,
                                  optimizer_calls, replica_local)
-from tf_nvlink.training.exact_batches import replica_shares, weighted_by_examples
+from tf_nvlink.training.exact_batches import open_batch_dimension, replica_shares, weighted_by_examples
 
 
 class PerReplicaXlaStep:
@@ -77,8 +77,8 @@ class PerReplicaXlaStep:
             body = self._fused_body() if self.fused else self._train_body(replica_id)
         model = self.model
 
-        def checked(*args):
-            result = body(*args)
+        def checked(data, *args):
+            result = body(open_batch_dimension(data), *args)
             refuse_metrics_outside_scope(model)  # built by now: the step's first trace creates them
             return result
 
