@@ -197,27 +197,53 @@ def fully_built(model) -> bool:
 
 
 def symbolic_build_from_one_replica(model, iterator=None, data_batch=None, restore=None) -> None:
-    """Keras' `TensorFlowTrainer._maybe_symbolic_build` (3.12 to 3.15), building from the first replica's share
-    of the first batch instead of the MEAN of all replicas' shares.
+    """Keras' `TensorFlowTrainer._maybe_symbolic_build` (3.12 to 3.15), building from the shapes of the epoch's
+    input instead of a batch taken from a fresh iterator over it, and from the first replica's share of a given
+    `data_batch` instead of the MEAN of all replicas' shares.
 
-    Why: Keras reduces the per-replica batches with `strategy.reduce("MEAN")` only to get one batch whose shapes
+    Why: Keras takes one batch from a new iterator over the user's input (`iterator`, its `EpochIterator`) only
+    to read its shapes, and that iterator advances the user's input: a seeded
+    `shuffle(reshuffle_each_iteration=True)` then yields another order every epoch than on one device, and a
+    `from_generator` generator runs once more per fit (an extra pass over data that may stream from a database).
+    Without a strategy Keras builds the model when the step is traced, taking nothing. The input's element spec
+    (`data_adapter.get_tf_dataset().element_spec`, the batch dimension left open) has the structure, feature shapes
+    and dtypes the build needs. A dataset the user distributed has per-replica specs: its first batch is taken as
+    before. Keras reduces per-replica batches with `strategy.reduce("MEAN")` only to get one batch whose shapes
     build the model, and that AddN fails when the shares differ in size (`batch_size=5` on 2 replicas: "Inputs
-    to operation AddN ... must have the same size and shape. Input 0: [3,8] != input 1: [2,8]"). One replica's
+    to operation AddN ... must have the same size and shape. Input 0: [3,8] != input 1: [2,8]"); one replica's
     share has the same structure and feature shapes. `restore(batch)`, when given, turns a staged batch back into
-    what the model takes (the compiled execution's int32 parts). Private Keras touched: `model._symbolic_build`."""
+    what the model takes (the compiled execution's int32 parts). Private Keras touched: `model._symbolic_build`,
+    the `EpochIterator`'s `data_adapter`."""
     if model._distribute_strategy is None:  # noqa: SLF001 - as Keras: build when the step is traced
         return
     strategy = model.distribute_strategy
     if iterator is not None:
-        for _, _, batches in iterator:
-            data_batch = tf.nest.map_structure(
-                lambda value: strategy.experimental_local_results(value)[0]
-                if isinstance(value, tf.distribute.DistributedValues) else value, next(batches))
-            break
+        data_batch = _open_batch_specs(iterator.data_adapter.get_tf_dataset())
+        if data_batch is None:  # the user's own distributed dataset
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+    data_batch = tf.nest.map_structure(
+        lambda value: strategy.experimental_local_results(value)[0]
+        if isinstance(value, tf.distribute.DistributedValues) else value, data_batch)
     if restore is not None:
         data_batch = restore(data_batch)
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+
+def _open_batch_specs(dataset):
+    """The element spec of a host `dataset`, each part's batch dimension open (None for a distributed dataset)."""
+    if isinstance(dataset, tf.distribute.DistributedDataset):
+        return None
+
+    def opened(spec):
+        shape = spec.shape
+        if shape.rank:
+            shape = tf.TensorShape([None]).concatenate(shape[1:])
+        return tf.TensorSpec(shape, spec.dtype) if isinstance(spec, tf.TensorSpec) else spec
+
+    return tf.nest.map_structure(opened, dataset.element_spec)
 
 
 def fused_allreduce_possible(strategy) -> bool:
@@ -524,13 +550,14 @@ def _agreed_finite_check(optimizer):
         optimizer.__dict__.pop("check_finite", None)
 
 
-def unrolled_steps_function(model, step_function):
+def unrolled_steps_function(model, step_function, next_batches: Callable):
     """Keras' train/test function for steps_per_execution=N > 1 without its tf.while_loop and tf.cond.
 
     Why: with no merge_call (MirroredStrategy on all-GPU replicas under XLA, i.e. fused mode), `strategy.run`
     inside a tf.cond or tf.while_loop branch fails ("You must feed a value for placeholder tensor ... cond");
     reproduced on CPU with a stock MirroredStrategy and `_use_merge_call` off, while N unrolled calls work. So the
-    N batches are taken eagerly from the distributed iterator and one tf.function runs the N steps unrolled; the
+    N batches are taken eagerly from the distributed iterator (`next_batches(iterator, N)`: the batches and the
+    input's error, raised after the batches before it ran) and one tf.function runs the N steps unrolled; the
     last execution of an epoch may hold fewer (its own trace). Private Keras touched: `reduce_per_replica` and
     `TensorFlowTrainer._autoconvert_optionals`, as in Keras' `_make_function`.
     """
@@ -553,15 +580,13 @@ def unrolled_steps_function(model, step_function):
     steps_on_batches = tf.function(steps_on_batches, reduce_retracing=True)
 
     def function(iterator):
-        batches = []
-        for _ in range(model.steps_per_execution):
-            try:
-                batches.append(next(iterator))
-            except (StopIteration, tf.errors.OutOfRangeError):
-                break
-        if not batches:
+        batches, error = next_batches(iterator, model.steps_per_execution)
+        outputs = steps_on_batches(tuple(batches)) if batches else None
+        if error is not None:
+            raise error  # after the steps before it, as Keras' own loop
+        if outputs is None:
             raise StopIteration
-        return steps_on_batches(tuple(batches))
+        return outputs
 
     return function
 
@@ -798,7 +823,8 @@ def set_initial_epoch(model, epoch: int) -> None:
 
 
 def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Callable,
-                          input_staging: Callable[[object], tuple | None] = lambda model: None) -> str | None:
+                          input_staging: Callable[[object], tuple | None] = lambda model: None,
+                          split_batch: Callable | None = None) -> str | None:
     """Replace Keras' trainer methods once; returns None when installed (or already), else why not (and nothing
     is changed). Models whose strategy `is_ours` rejects run Keras' own code.
 
@@ -824,6 +850,8 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
       per-output loss metrics count each step once, a replica without examples not at all).
     - `BaseOptimizer._clip_gradients` (`_install_clip_hook`: clipping acts on the all-reduced gradients).
     - `CallbackList.__init__` (`_install_batch_end_dispatch_hook`: batch ends dispatched as Keras does on JAX).
+    - `train_on_batch`, `test_on_batch`, `predict_on_batch` (`_install_on_batch_hooks`, with `split_batch`: the
+      batch split over the replicas).
     """
     with _STATE.lock:
         if "_make_function" in _STATE.originals:
@@ -886,13 +914,52 @@ def install_trainer_hooks(is_ours: Callable[[object], bool], make_function: Call
         _install_empty_replica_hooks()
         _install_clip_hook()
         _install_batch_end_dispatch_hook()
+        if split_batch is not None:
+            _install_on_batch_hooks(trainer, is_ours, split_batch)
         return None
 
 
+_ON_BATCH_ARGUMENTS = {"train_on_batch": ("x", "y", "sample_weight", "class_weight"),
+                       "test_on_batch": ("x", "y", "sample_weight"), "predict_on_batch": ("x",)}
+
+
+def _install_on_batch_hooks(trainer, is_ours: Callable[[object], bool], split_batch: Callable) -> None:
+    """Replace `TensorFlowTrainer.train_on_batch`, `test_on_batch` and `predict_on_batch` (Keras 3.12 to 3.15;
+    called with _STATE.lock held).
+
+    Why: Keras hands the batch of these calls to `strategy.run` as it is, so every replica gets the whole batch:
+    `predict_on_batch` on 5 rows returns 10 rows on 2 replicas (stock MirroredStrategy too), and the others
+    compute every example once per replica. Under a multi-replica tf_nvlink strategy the batch (x, y,
+    sample_weight; `class_weight` turned into sample weights first, as Keras does,
+    `data_adapter_utils.class_weight_to_sample_weights`) is split over the replicas by `split_batch(strategy,
+    batch)` (None: it cannot be split, Keras' call runs as it is), as fit splits a global batch."""
+    from keras.src.trainers.data_adapters import data_adapter_utils  # noqa: PLC0415
+
+    for name, arguments in _ON_BATCH_ARGUMENTS.items():
+        original = _STATE.originals[name] = trainer.__dict__[name]
+
+        def on_batch(self, *args, _original=original, _arguments=arguments, **kwargs):
+            strategy = self.distribute_strategy
+            if not is_ours(strategy) or strategy.num_replicas_in_sync < 2:
+                return _original(self, *args, **kwargs)
+            given = dict(zip(_arguments, args), **kwargs)
+            if given.get("class_weight") is not None and given.get("sample_weight") is None:
+                given["sample_weight"] = data_adapter_utils.class_weight_to_sample_weights(
+                    given["y"], given.pop("class_weight"))
+            names = [key for key in ("x", "y", "sample_weight") if given.get(key) is not None]
+            split = split_batch(strategy, tuple(given[key] for key in names))
+            if split is not None:
+                given.update(zip(names, split))
+            return _original(self, **given)
+
+        setattr(trainer, name, on_batch)
+
+
 def enable_trainer_hooks(is_ours: Callable[[object], bool], make_function: Callable,
-                         input_staging: Callable[[object], tuple | None] = lambda model: None) -> str | None:
+                         input_staging: Callable[[object], tuple | None] = lambda model: None,
+                         split_batch: Callable | None = None) -> str | None:
     """`install_trainer_hooks`, remembering why it failed (`keras_hook_problem()`); returns that reason or None."""
-    _STATE.problem = install_trainer_hooks(is_ours, make_function, input_staging)
+    _STATE.problem = install_trainer_hooks(is_ours, make_function, input_staging, split_batch)
     return _STATE.problem
 
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_nvlink import internals
+from tf_nvlink.training.exact_batches import with_metrics_across_replicas
 
 log = logging.getLogger("tf_nvlink")
 
@@ -304,42 +305,45 @@ class CompiledExecution:
         self.programs = ReplicaPrograms(self.strategy, lambda replica_id, full: execution_body(
             self.step.body_for(replica_id), full))
         self._taken_ahead: list = []  # batches taken from `_ahead_of` while the last execution ran
+        self._error_ahead: Optional[Exception] = None  # the input's error after `_taken_ahead`, raised in turn
         # A weak reference: once fit or evaluate drops its iterator, its input pipeline's threads stop (a kept
         # one went on prefetching beside the next fit) and the batches taken ahead from it are let go.
         self._ahead_of: Callable[[], Any] = lambda: None
         self._checked_memory = False
         self._outer = tf.function(
-            lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
-                                                                      self.strategy), autograph=False)
+            lambda batches, count=None: self._logs(self.programs.run(batches, count)), autograph=False)
         # A full execution that also copies the next execution's host batches to the replicas' devices: the
         # copies are not inputs of the program, so they run beside it instead of before it.
         self._outer_copying_ahead = tf.function(
-            lambda batches, ahead: (internals.reduce_step_outputs(self.programs.run(batches), self.strategy),
-                                    self._on_replicas(ahead)), autograph=False)
+            lambda batches, ahead: (self._logs(self.programs.run(batches)), self._on_replicas(ahead)),
+            autograph=False)
+
+    def _logs(self, per_replica_outputs):
+        """The logs of an execution (its last step's), as Keras reports them, every metric read over all replicas."""
+        return with_metrics_across_replicas(self.model,
+                                            internals.reduce_step_outputs(per_replica_outputs, self.strategy))
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
-    def _take(self, iterator, count: int) -> list:
+    def _take(self, iterator, count: int) -> tuple[list, Optional[Exception]]:
+        """Up to `count` batches, and the input's error where it raised one before `count` (the batches before it
+        run first, as Keras' own loop runs the steps before a bad batch)."""
         if iterator is not self._ahead_of():
-            self._taken_ahead = []
+            self._taken_ahead, self._error_ahead = [], None
             self._ahead_of = _weak(iterator, self._taken_ahead.clear)  # this list's clear
         batches = self._taken_ahead[:count]
         del self._taken_ahead[:count]
-        while len(batches) < count:
-            batch = _next_or_none(iterator)
-            if batch is None:
-                break
-            batches.append(batch)
-        return batches
+        if len(batches) < count and self._error_ahead is not None:
+            error, self._error_ahead = self._error_ahead, None
+            return batches, error
+        return next_batches(iterator, count, batches)
 
     def _take_ahead(self, iterator) -> None:
         """Take the next execution's batches from `iterator` before this one returns: prefetched to the devices,
-        their copies run while this execution does; host batches are copied by the launch (`_copy_ahead`)."""
-        while len(self._taken_ahead) < self.steps:
-            batch = _next_or_none(iterator)
-            if batch is None:
-                return
-            self._taken_ahead.append(batch)
+        their copies run while this execution does; host batches are copied by the launch (`_copy_ahead`). An
+        error of the input is kept for the execution that reaches it."""
+        if self._error_ahead is None and len(self._taken_ahead) < self.steps:
+            _, self._error_ahead = next_batches(iterator, self.steps, self._taken_ahead)
 
     def _copy_ahead(self, iterator) -> Optional[tuple]:
         """The next execution's host batches when the execution about to launch should copy them to the devices
@@ -359,14 +363,20 @@ class CompiledExecution:
 
     def __call__(self, iterator):
         count = internals.steps_asked_for_this_call(self.steps)
-        batches = self._take(iterator, count)
-        if not batches:
+        batches, error = self._take(iterator, count)
+        outputs = self._execute(iterator, batches, take_ahead=error is None) if batches else None
+        if error is not None:
+            raise error
+        if outputs is None:
             raise StopIteration
+        return outputs
+
+    def _execute(self, iterator, batches: list, take_ahead: bool):
         outputs = None
         for group in _same_shape_runs(batches, self.strategy):
             if not all(_stackable(batch, self.strategy) for batch in group):
                 for batch in group:
-                    outputs = self.one_step(batch)
+                    outputs = with_metrics_across_replicas(self.model, self.one_step(batch))
                 continue
             self._check_memory(group[0])
             with _explained_oom(self, group[0]):
@@ -380,7 +390,7 @@ class CompiledExecution:
                 else:
                     outputs = self._outer(tuple(group))
             self.programs_run += 1
-        if _takes_ahead(iterator):
+        if take_ahead and _takes_ahead(iterator):
             self._take_ahead(iterator)
         return outputs
 
@@ -510,6 +520,25 @@ def _next_or_none(iterator):
         return None
 
 
+def next_batches(iterator, count: int, batches: Optional[list] = None) -> tuple[list, Optional[Exception]]:
+    """(`batches` extended from `iterator` to `count`, or to the input's end; the error the input raised, if it
+    raised one first). The caller runs the batches taken before the error, then raises it: Keras' own loop runs
+    the steps before a bad batch.
+
+    Example:
+        >>> batches, error = next_batches(iterator, model.steps_per_execution)
+    """
+    batches = [] if batches is None else batches
+    while len(batches) < count:
+        try:
+            batches.append(next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            break
+        except Exception as error:  # noqa: BLE001 - the input's own error, raised by the caller in turn
+            return batches, error
+    return batches, None
+
+
 def _signature(batch, strategy) -> tuple:
     return tuple((tuple(tensor.shape), tensor.dtype.name) if hasattr(tensor, "shape") else (type(tensor).__name__,)
                  for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
@@ -535,26 +564,29 @@ def _stackable(batch, strategy) -> bool:
                for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
 
 
-def steps_asked_for(function: Callable, one_step: Callable, steps: int) -> Callable:
+def steps_asked_for(model, function: Callable, one_step: Callable) -> Callable:
     """A per-step path's train function that runs the steps the epoch asks for: `function(iterator)` runs
-    `steps` batches; when the epoch asks for fewer (its last execution), `one_step` runs them one by one.
+    `model.steps_per_execution` batches; when the epoch asks for fewer (its last execution), `one_step` runs them
+    one by one. Its logs read the model's metrics over all replicas (`with_metrics_across_replicas`).
 
     Example:
-        >>> train_function = steps_asked_for(keras_function, one_step, model.steps_per_execution)
+        >>> train_function = steps_asked_for(model, keras_function, one_step)
     """
-    if steps <= 1:
-        return function
+    steps = model.steps_per_execution
 
     def limited(iterator):
+        return with_metrics_across_replicas(model, _steps(iterator))
+
+    def _steps(iterator):
         count = internals.steps_asked_for_this_call(steps)
         if count >= steps:
             return function(iterator)
+        batches, error = next_batches(iterator, count)
         outputs = None
-        for _ in range(count):
-            batch = _next_or_none(iterator)
-            if batch is None:
-                break
+        for batch in batches:
             outputs = one_step(batch)
+        if error is not None:
+            raise error
         if outputs is None:
             raise StopIteration
         return outputs

@@ -90,7 +90,7 @@ def _make_function(model, step_function: Callable, keras_make_function: Callable
         return compiled_execution.CompiledExecution(model, step, internals.one_step_function(model, step))
     function, step, outer_jit = _per_step_function(model, step_function, kind, keras_make_function)
     one_step = internals.one_step_function(model, step, jit_compile=outer_jit and bool(model.jit_compile))
-    return compiled_execution.steps_asked_for(function, one_step, model.steps_per_execution)
+    return compiled_execution.steps_asked_for(model, function, one_step)
 
 
 def _per_step_function(model, step_function: Callable, kind: str, keras_make_function: Callable):
@@ -105,21 +105,21 @@ def _per_step_function(model, step_function: Callable, kind: str, keras_make_fun
     if model.steps_per_execution > 1 and internals.fused_allreduce_possible(strategy) \
             and strategy.xla_allreduce == "fused":
         # Keras' multi-step loop fails without merge_call; this one takes the steps the epoch asks for itself.
-        return internals.unrolled_steps_function(model, step), step, False
+        return internals.unrolled_steps_function(model, step, compiled_execution.next_batches), step, False
     return keras_make_function(step, outer_jit=False), step, False  # no one XLA cluster spanning the replicas
 
 
 def install_keras_hooks() -> str | None:
     """Install the trainer hooks once; returns None when installed, else why not (and nothing is changed)."""
     return internals.install_trainer_hooks(base.is_tf_nvlink_strategy, _make_function,
-                                           compiled_execution.input_staging)
+                                           compiled_execution.input_staging, exact_batches.split_over_replicas)
 
 
 def enable_per_replica_xla() -> None:
     """Install the trainer hooks for a tf_nvlink strategy being built; on a Keras without the internals they need,
     log why, and make a jit-compiled step under that strategy raise `UnsupportedKerasError`."""
     problem = internals.enable_trainer_hooks(base.is_tf_nvlink_strategy, _make_function,
-                                             compiled_execution.input_staging)
+                                             compiled_execution.input_staging, exact_batches.split_over_replicas)
     if problem:
         log.warning("tf_nvlink: per-replica XLA unavailable: %s", problem)
 

@@ -155,18 +155,13 @@ def _size(variable) -> int:
     return size
 
 
-def _devices_all_gpu(strategy) -> bool:
-    devices = getattr(strategy.extended, "worker_devices", ())
-    return bool(devices) and all("GPU" in d.upper() for d in devices)
-
-
 def check_synchronized_batch_norm(model, jit: bool) -> None:
     """Refuse `BatchNormalization(synchronized=True)` where its all-reduce cannot run: inside XLA on replicas
     that are not all GPUs (TensorFlow needs a merge_call there, which XLA cannot hold), or across workers (an
     all-reduce compiled into XLA cannot span processes)."""
     strategy = model.distribute_strategy
-    several_workers = getattr(strategy.extended, "_num_workers", 1) > 1  # XLA's NCCL cannot span processes
-    if not jit or _devices_all_gpu(strategy) and not several_workers:
+    several_workers = internals.worker_count(strategy) > 1  # XLA's NCCL cannot span processes
+    if not jit or internals.fused_allreduce_possible(strategy) and not several_workers:
         return
     synced = [layer.name for layer in _layers(model) if getattr(layer, "synchronized", False)]
     if synced:
