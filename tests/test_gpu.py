@@ -314,3 +314,37 @@ def test_one_gpu_compiled_steps_of_a_custom_loop_equal_one_run_per_step():
 def test_two_gpu_compiled_execution_equals_per_step_training(tmp_path):
     """The same on 2 GPUs in fused mode: the all-reduces inside each replica's loop, an uneven 8 + 7 split."""
     _assert_compiled_equals_per_step(_compiled_execution_cases("gpu2", tmp_path))
+
+
+def _feature_matrix(layout):
+    proc = run_python(["tests/training/feature_matrix_cases.py", layout], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _assert_feature_matrix(results):
+    from tests.training.test_feature_matrix import assert_as_on_one_device
+
+    failures = []
+    for row, paths in results.items():
+        for path in ("per_step", "compiled"):
+            if "cannot" in paths[path]:
+                continue
+            try:
+                assert_as_on_one_device(paths, row, path)
+            except AssertionError as failure:
+                failures.append(f"{row} {path}: {str(failure)[:400]}")
+    assert not failures, "\n".join(failures)
+
+
+@needs_gpu
+def test_one_gpu_feature_matrix_as_on_one_device():
+    """Every row of the Keras feature matrix (tests/training/feature_matrix_cases.py) on one GPU under XLA, per
+    step and compiled, against the same Keras on the GPU without a strategy (float32: 1e-5, TF32 off)."""
+    _assert_feature_matrix(_feature_matrix("gpu1"))
+
+
+@needs_2_gpus
+def test_two_gpu_feature_matrix_as_on_one_device():
+    """The same on 2 GPUs in fused mode: empty replicas, uneven splits, the all-reduces inside XLA."""
+    _assert_feature_matrix(_feature_matrix("gpu2"))

@@ -1,0 +1,436 @@
+"""Keras features against one device, one process per layout: `python feature_matrix_cases.py LAYOUT [ROWS]`.
+
+LAYOUT:
+- "emulated1" / "emulated2": 1 or 2 CPU replicas in fused mode (conftest.FUSED_CPU_EMULATION: the GPU path
+  without XLA), each row on both paths: "per_step" (the plan's `compiled_execution` off) and "compiled";
+- "split2": 2 CPU replicas, `jit_compile=True` (XLA per replica, the all-reduce outside), the per-step path;
+- "plain2": 2 CPU replicas, `jit_compile=False`, the per-step path;
+- "gpu1" / "gpu2": `tf_nvlink.strategy()` over 1 or 2 real GPUs (XLA), both paths.
+
+Each row (a function below, named in ROWS) trains, evaluates or predicts once per path under the layout's
+strategy and once on one device (no strategy, no XLA, the same `steps_per_execution`), from the same initial
+weights, and returns {"close": numbers, "exact": counts, orders and names}; a row that cannot run in a layout
+returns {"cannot": why}. The script prints one JSON line: {row: {"one_device": ..., path: ...}}.
+tests/training/test_feature_matrix.py compares every path's result with one device's.
+
+Adding a Keras feature: write a row function (data from `_data`, the model from `_model`, results through
+`_summary`), add it to ROWS, and name it in test_feature_matrix.py's tier lists.
+"""
+
+import contextlib
+import dataclasses
+from functools import partial
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
+
+from conftest import FUSED_CPU_EMULATION  # noqa: E402
+
+exec(FUSED_CPU_EMULATION)  # noqa: S102 - defines fused_strategy_emulated_on_cpu
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+LAYOUT = sys.argv[1] if len(sys.argv) > 1 else "emulated2"
+REPLICAS = int(LAYOUT[-1])
+STEPS = 4  # steps_per_execution of every model
+BATCH = 8
+
+if LAYOUT.startswith("gpu"):
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # float32 matmuls in float32: 1e-5 holds
+    import tf_nvlink  # noqa: E402
+
+    strategy = tf_nvlink.strategy(gpus=list(range(REPLICAS)))
+else:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    if LAYOUT.startswith("emulated"):
+        strategy = fused_strategy_emulated_on_cpu(devices=[f"/cpu:{i}" for i in range(REPLICAS)])  # noqa: F821
+    else:
+        import tf_nvlink  # noqa: E402
+
+        strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+
+import keras  # noqa: E402
+
+from tf_nvlink.distribute import base  # noqa: E402
+
+PATHS = ("per_step", "compiled") if LAYOUT.startswith(("emulated", "gpu")) else ("per_step",)
+JIT = LAYOUT != "plain2"
+FUSED = LAYOUT.startswith(("emulated", "gpu"))
+
+
+@dataclasses.dataclass
+class Where:
+    """Where a row runs: `path` is "one_device" (no strategy, no XLA) or a path of the layout's strategy."""
+
+    path: str
+
+    @property
+    def one_device(self) -> bool:
+        return self.path == "one_device"
+
+    def scope(self):
+        if self.one_device:
+            return contextlib.nullcontext()
+        base.attach_plan(strategy, dataclasses.replace(strategy.plan, compiled_execution=self.path == "compiled"))
+        return strategy.scope()
+
+    def compile(self, model, optimizer=None, **kwargs):
+        """`model.compile` in the strategy's scope, the optimizer made there (SGD with momentum by default)."""
+        kwargs.setdefault("loss", "mse")
+        with self.scope():
+            model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05, momentum=0.9),
+                          jit_compile=JIT and not self.one_device, steps_per_execution=STEPS, **kwargs)
+        return model
+
+
+def _data(examples=33, features=4, seed=0, classes=None):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, features)).astype("float32")
+    if classes:
+        return x, rng.integers(0, classes, examples).astype("int32")
+    return x, (x @ rng.normal(size=(features, 1)) + 0.1 * rng.normal(size=(examples, 1))).astype("float32")
+
+
+_INPUT = partial(keras.Input, (4,))
+
+
+def _dense(units, **kwargs):
+    return partial(keras.layers.Dense, units, **kwargs)
+
+
+def _model(where, *layers, seed=3):
+    """A Sequential model of `layers` (classes or `functools.partial`s of them, made after the seed is set: a
+    Keras initializer draws its seed when it is made), built in the strategy's scope."""
+    with where.scope():
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([layer() for layer in layers])
+
+
+def _copies(variable):
+    value = getattr(variable, "value", variable)
+    return [np.asarray(v.numpy()) for v in getattr(value, "values", [value])]
+
+
+def _summary(model, history=None, evaluate=None, **close):
+    """The weights (every replica's copy must agree), the epoch logs, evaluate's results and `close` numbers."""
+    weights, agree = [], True
+    for variable in model.weights:
+        copies = _copies(variable)
+        agree = agree and all(np.array_equal(copies[0], other) for other in copies[1:])
+        weights.append(copies[0].astype("float64").ravel().tolist())
+    result = {"close": {"weights": weights, **close}, "exact": {"replica_copies_agree": agree}}
+    if history is not None:
+        result["close"]["logs"] = {key: [float(v) for v in values] for key, values in history.history.items()}
+        result["exact"]["epochs"] = len(history.epoch)
+    if evaluate is not None:
+        result["close"]["evaluate"] = {key: float(value) for key, value in evaluate.items()}
+    return result
+
+
+# ==== rows ======================================================================================================
+
+
+# BatchNorm's batch statistics are each replica's own under any MirroredStrategy (Keras' and TensorFlow's rule):
+# synchronized=True computes them over the global batch, as one device does, so rows compare that. Split mode
+# cannot hold its all-reduce inside a replica's XLA program (CrossReplicaCallInXlaError; test_replica_sync).
+_NO_SYNCHRONIZED_BN = "split mode cannot all-reduce BatchNorm(synchronized=True)'s statistics inside XLA"
+
+
+def _batch_norm():
+    return keras.layers.BatchNormalization(synchronized=REPLICAS > 1)
+
+
+def bn_unknown_length(where):
+    """BatchNorm, a dataset of unknown length: 33 examples at batch 8 end mid-execution with a 1 + 0 step. Also
+    BatchNorm with each replica's own statistics (differs from one device by design): its logs are finite."""
+    if LAYOUT == "split2" and not where.one_device:
+        return {"cannot": _NO_SYNCHRONIZED_BN}
+    x, y = _data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH)
+    model = where.compile(_model(where, _INPUT, _dense(8), _batch_norm,
+                                 keras.layers.ReLU, _dense(1)))
+    history = model.fit(data, epochs=2, verbose=0)
+    result = _summary(model, history, model.evaluate(data, verbose=0, return_dict=True))
+    own = where.compile(_model(where, _INPUT, keras.layers.BatchNormalization,
+                               _dense(1)))
+    logs = own.fit(data, epochs=2, verbose=0).history
+    result["exact"]["own_statistics_logs_finite"] = bool(np.isfinite(logs["loss"]).all()) and bool(
+        np.isfinite(own.evaluate(data, verbose=0)))
+    return result
+
+
+def _classifier(where, metrics=("accuracy",)):
+    model = _model(where, _INPUT, _dense(8, activation="relu"), _dense(3))
+    return where.compile(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         metrics=list(metrics))
+
+
+_CLASS_WEIGHT = {0: 1.0, 1: 2.0, 2: 0.5}
+
+
+def class_weight_numpy(where):
+    """`class_weight` with numpy input (33 examples at batch 8: the last step 1 + 0 on 2 replicas)."""
+    x, y = _data(classes=3)
+    model = _classifier(where)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, class_weight=_CLASS_WEIGHT, verbose=0)
+    return _summary(model, history, model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+
+
+def class_weight_dataset(where):
+    """`class_weight` with a tf.data dataset."""
+    x, y = _data(classes=3)
+    model = _classifier(where)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = model.fit(data, epochs=2, class_weight=_CLASS_WEIGHT, verbose=0)
+    return _summary(model, history)
+
+
+def sample_weight_dataset(where):
+    """(x, y, sample_weight) batches from a tf.data dataset, and the same in evaluate."""
+    x, y = _data()
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, len(x)).astype("float32")
+    model = where.compile(_model(where, _INPUT, _dense(1)), weighted_metrics=["mae"])
+    data = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(BATCH)
+    history = model.fit(data, epochs=2, verbose=0)
+    return _summary(model, history, model.evaluate(data, verbose=0, return_dict=True))
+
+
+def validation_callbacks(where):
+    """A validation set of 33 at batch 8 and callbacks that act on its logs: EarlyStopping, ModelCheckpoint
+    (save_best_only), TerminateOnNaN, ReduceLROnPlateau."""
+    if LAYOUT == "split2" and not where.one_device:
+        return {"cannot": _NO_SYNCHRONIZED_BN}
+    x, y = _data(64, seed=1)
+    vx, vy = _data(33, seed=2)
+    model = where.compile(_model(where, _INPUT, _dense(8), _batch_norm,
+                                 _dense(1)), optimizer=lambda: keras.optimizers.SGD(0.01))
+    folder = tempfile.mkdtemp()
+    try:
+        callbacks = [keras.callbacks.EarlyStopping(monitor="val_loss", patience=0),
+                     keras.callbacks.ModelCheckpoint(os.path.join(folder, "best_{epoch}.weights.h5"),
+                                                     monitor="val_loss", save_best_only=True, save_weights_only=True),
+                     keras.callbacks.TerminateOnNaN(),
+                     keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=0, factor=0.5)]
+        history = model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, validation_data=(vx, vy),
+                            callbacks=callbacks, verbose=0)
+        saved = sorted(os.listdir(folder))
+    finally:
+        shutil.rmtree(folder)
+    result = _summary(model, history)
+    result["exact"]["checkpoints"] = saved
+    return result
+
+
+def validation_freq(where):
+    """`validation_freq=2`: validation after epochs 2 and 4 only, with a validation batch split 1 + 0."""
+    x, y = _data(64, seed=1)
+    vx, vy = _data(17, seed=2)
+    model = where.compile(_model(where, _INPUT, _dense(1)), metrics=["mae"])
+    history = model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, validation_data=(vx, vy),
+                        validation_freq=2, verbose=0)
+    result = _summary(model, history)
+    result["exact"]["log_lengths"] = {key: len(values) for key, values in history.history.items()}
+    return result
+
+
+def multi_output_dict(where):
+    """Two inputs and two outputs as dicts, a loss and a metric per output, loss weights: every `<output>_loss`
+    and metric in fit's and evaluate's logs."""
+    rng = np.random.default_rng(4)
+    xa, xb = rng.normal(size=(33, 4)).astype("float32"), rng.normal(size=(33, 2)).astype("float32")
+    y_cls, y_reg = rng.integers(0, 3, 33).astype("int32"), rng.normal(size=(33, 1)).astype("float32")
+    with where.scope():
+        keras.utils.set_random_seed(3)
+        a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+        hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+        model = keras.Model({"a": a, "b": b}, {"cls": keras.layers.Dense(3, name="cls")(hidden),
+                                               "reg": keras.layers.Dense(1, name="reg")(hidden)})
+    where.compile(model, loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+                  loss_weights={"cls": 1.0, "reg": 0.5}, metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    inputs, targets = {"a": xa, "b": xb}, {"cls": y_cls, "reg": y_reg}
+    history = model.fit(inputs, targets, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    evaluated = model.evaluate(inputs, targets, batch_size=BATCH, verbose=0, return_dict=True)
+    return _summary(model, history, evaluated)
+
+
+def unbuilt_reshuffle(where):
+    """A model not built before fit and a seeded dataset reshuffled every epoch: the same order each epoch as one
+    device (building the model takes no batch from the user's input)."""
+    x, y = _data()
+    model = where.compile(_model(where, _dense(8, activation="relu"), _dense(1)))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(33, seed=7, reshuffle_each_iteration=True).batch(BATCH)
+    history = model.fit(data, epochs=3, verbose=0)
+    return _summary(model, history)
+
+
+def generator_passes(where):
+    """A `from_generator` dataset and a model not built yet: the generator runs once per epoch, as on one device."""
+    x, y = _data()
+    passes = [0]
+
+    def generate():
+        passes[0] += 1
+        yield from zip(x, y)
+
+    data = tf.data.Dataset.from_generator(generate, output_signature=(
+        tf.TensorSpec((4,), tf.float32), tf.TensorSpec((1,), tf.float32))).batch(BATCH)
+    model = where.compile(_model(where, _dense(1)))
+    history = model.fit(data, epochs=3, verbose=0)
+    result = _summary(model, history)
+    result["exact"]["generator_passes"] = passes[0]
+    return result
+
+
+def python_generator(where):
+    """A Python generator given to fit (steps_per_epoch, 2 epochs): the batches drawn from it, and the training."""
+    x, y = _data(64)
+    drawn = [0]
+
+    def batches():
+        while True:
+            for start in range(0, 64, BATCH):
+                drawn[0] += 1
+                yield x[start:start + BATCH], y[start:start + BATCH]
+
+    model = where.compile(_model(where, _INPUT, _dense(1)))
+    history = model.fit(batches(), steps_per_epoch=8, epochs=2, verbose=0)
+    result = _summary(model, history)
+    result["exact"]["drawn_at_least_trained"] = drawn[0] >= 16
+    return result
+
+
+class _ShuffledSequence(keras.utils.PyDataset):
+    """A PyDataset that reshuffles its order in `on_epoch_end` from a seeded generator, and records what it served."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+        self.rng = np.random.default_rng(11)
+        self.order = np.arange(len(x))
+        self.served = []
+
+    def __len__(self):
+        return -(-len(self.x) // BATCH)
+
+    def __getitem__(self, index):
+        picked = self.order[index * BATCH:(index + 1) * BATCH]
+        self.served.append(int(index))
+        return self.x[picked], self.y[picked]
+
+    def on_epoch_end(self):
+        self.rng.shuffle(self.order)
+
+
+def pydataset_shuffle(where):
+    """A `keras.utils.PyDataset` reshuffled in `on_epoch_end`: the same batches every epoch as one device."""
+    x, y = _data()
+    data = _ShuffledSequence(x, y)
+    model = where.compile(_model(where, _INPUT, _dense(1)))
+    history = model.fit(data, epochs=3, verbose=0)
+    return _summary(model, history)
+
+
+def numpy_shuffle(where):
+    """`shuffle=True` on numpy arrays, seeded with `keras.utils.set_random_seed`."""
+    x, y = _data()
+    model = where.compile(_model(where, _INPUT, _dense(1)))
+    keras.utils.set_random_seed(21)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=True, verbose=0)
+    return _summary(model, history)
+
+
+def on_batch_calls(where):
+    """`train_on_batch`, `test_on_batch`, `predict_on_batch` on 5 rows (not divisible by 2 replicas), and
+    `predict` of 7 rows at batch 3."""
+    x, y = _data(7)
+    model = where.compile(_model(where, _INPUT, _dense(3), _dense(1)),
+                          metrics=["mae"])
+    trained = [model.train_on_batch(x[:5], y[:5], return_dict=True) for _ in range(2)]
+    tested = model.test_on_batch(x[:5], y[:5], return_dict=True)
+    predicted = model.predict_on_batch(x[:5])
+    predicted_all = model.predict(x, batch_size=3, verbose=0)
+    result = _summary(model, train_on_batch=[{k: float(v) for k, v in logs.items()} for logs in trained],
+                      test_on_batch={k: float(v) for k, v in tested.items()},
+                      predict_on_batch=np.asarray(predicted).tolist(), predict=np.asarray(predicted_all).tolist())
+    result["exact"].update(predict_on_batch_shape=list(np.shape(predicted)),
+                           predict_shape=list(np.shape(predicted_all)))
+    return result
+
+
+def input_error(where):
+    """An input error at batch 6 of an epoch at steps_per_execution=4: the steps before it are applied, then
+    the error comes through."""
+    x, y = _data(64)
+    x[6 * BATCH + 1, 0] = np.nan
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).map(
+        lambda a, b: (tf.debugging.check_numerics(a, "bad input batch"), b))
+    model = where.compile(_model(where, _INPUT, _dense(1)))
+    try:
+        model.fit(data, epochs=1, verbose=0)
+        error = None
+    except Exception as raised:  # noqa: BLE001 - the row records which
+        error = [type(raised).__name__, "bad input batch" in str(raised)]
+    result = _summary(model)
+    result["exact"].update(error=error, steps_applied=int(model.optimizer.iterations.numpy()))
+    if LAYOUT == "plain2":  # Keras' own multi-step loop: TensorFlow aborts the execution at the bad batch, and the
+        del result["close"]["weights"]  # last step's update may be cut short (stock MirroredStrategy too)
+    return result
+
+
+def batchnorm_synchronized(where):
+    """`BatchNormalization(synchronized=True)`: the statistics over the whole global batch."""
+    if LAYOUT == "split2" and not where.one_device:
+        return {"cannot": _NO_SYNCHRONIZED_BN}
+    x, y = _data(32)
+    model = where.compile(_model(where, _INPUT, _dense(8), partial(keras.layers.BatchNormalization,
+                                                                                  synchronized=True), _dense(1)))
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return _summary(model, history, model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+
+
+def mixed_precision(where):
+    """`mixed_float16` with a LossScaleOptimizer, float16 compute, compared at float16's precision. The scale
+    starts where no step overflows: each replica's float16 gradients are its share's, smaller than one device's, so
+    a scale that overflows one device's gradients may not overflow the replicas' (docs/architecture.md)."""
+    x, y = _data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = where.compile(_model(where, _INPUT, _dense(8, activation="relu"),
+                                     _dense(1, dtype="float32")),
+                              optimizer=lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05),
+                                                                                    initial_scale=2.0 ** 4))
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return _summary(model, history)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+ROWS = {row.__name__: row for row in (
+    bn_unknown_length, class_weight_numpy, class_weight_dataset, sample_weight_dataset, validation_callbacks,
+    validation_freq, multi_output_dict, unbuilt_reshuffle, generator_passes, python_generator, pydataset_shuffle,
+    numpy_shuffle, on_batch_calls, input_error, batchnorm_synchronized, mixed_precision)}
+
+
+def run(selected):
+    import traceback
+
+    results = {}
+    for name in selected:
+        results[name] = {}
+        for path in ("one_device",) + PATHS:
+            try:
+                results[name][path] = ROWS[name](Where(path))
+            except Exception:  # noqa: BLE001 - the test shows the traceback of the row that failed
+                results[name][path] = {"error": traceback.format_exc()[-3000:]}
+    return results
+
+
+if __name__ == "__main__":
+    results = run(sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(ROWS))
+    print(json.dumps(results))
