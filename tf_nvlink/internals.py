@@ -1285,6 +1285,9 @@ def _install_loss_share_hooks() -> None:
     reduce_values = _STATE.originals["loss_module.reduce_values"] = module.reduce_values
 
     def reduce_values_weighted(values, sample_weight=None, reduction="sum_over_batch_size"):
+        if getattr(_LOSS_SHARE, "value", None) is not None and reduction not in (None, "none") \
+                and tuple(values.shape) == (0,):
+            return tf.reduce_sum(values)  # 0, and a gradient (of zeros): Keras returns the empty array itself
         weight_share = getattr(_LOSS_SHARE, "weight", None)
         if weight_share is None or reduction != "mean_with_sample_weight" or sample_weight is None:
             return reduce_values(values, sample_weight, reduction)

@@ -37,7 +37,7 @@ import tensorflow as tf  # noqa: E402
 
 LAYOUT = sys.argv[1] if len(sys.argv) > 1 else "emulated2"
 REPLICAS = int(LAYOUT[-1])
-STEPS = 4  # steps_per_execution of every model
+STEPS = 2  # steps_per_execution of the models (each epoch ends with a partial execution: 33 examples at batch 8)
 BATCH = 8
 
 if LAYOUT.startswith("gpu"):
@@ -80,12 +80,13 @@ class Where:
         base.attach_plan(strategy, dataclasses.replace(strategy.plan, compiled_execution=self.path == "compiled"))
         return strategy.scope()
 
-    def compile(self, model, optimizer=None, **kwargs):
+    def compile(self, model, optimizer=None, steps_per_execution=STEPS, **kwargs):
         """`model.compile` in the strategy's scope, the optimizer made there (SGD with momentum by default)."""
         kwargs.setdefault("loss", "mse")
         with self.scope():
             model.compile(optimizer=optimizer() if optimizer else keras.optimizers.SGD(0.05, momentum=0.9),
-                          jit_compile=JIT and not self.one_device, steps_per_execution=STEPS, **kwargs)
+                          jit_compile=JIT and not self.one_device, steps_per_execution=steps_per_execution,
+                          **kwargs)
         return model
 
 
@@ -370,7 +371,7 @@ def input_error(where):
     x[6 * BATCH + 1, 0] = np.nan
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).map(
         lambda a, b: (tf.debugging.check_numerics(a, "bad input batch"), b))
-    model = where.compile(_model(where, _INPUT, _dense(1)))
+    model = where.compile(_model(where, _INPUT, _dense(1)), steps_per_execution=4)
     try:
         model.fit(data, epochs=1, verbose=0)
         error = None
@@ -411,23 +412,138 @@ def mixed_precision(where):
         keras.mixed_precision.set_global_policy("float32")
 
 
+class _BatchLogs(keras.callbacks.Callback):
+    """Records the logs every batch end of fit and evaluate gives (what the progress bar shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append({"train": 1.0, **{k: float(v) for k, v in (logs or {}).items()}})
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.seen.append({"test": 1.0, **{k: float(v) for k, v in (logs or {}).items()}})
+
+
+def batch_logs(where):
+    """The logs batch-end callbacks (and the progress bar) see in fit and evaluate, 33 examples at batch 8: every
+    execution's last step's running loss and metrics, over all replicas. (The batch numbers differ at an epoch's
+    last execution: Keras numbers a short one as a full one; tf_nvlink by the steps it ran, test_compiled_execution.)"""
+    x, y = _data()
+    model = where.compile(_model(where, _INPUT, _dense(8, activation="relu"), _dense(1)), metrics=["mae"])
+    recorder = _BatchLogs()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, validation_data=(x[:17], y[:17]), verbose=0,
+              callbacks=[recorder])
+    model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[recorder])
+    return _summary(model, batch_logs=recorder.seen)
+
+
+def fit_arguments(where):
+    """`validation_split`, `initial_epoch`, `validation_steps`, `validation_batch_size`, numpy `sample_weight`
+    in fit; `steps` in evaluate and predict (multiples of steps_per_execution: Keras runs whole executions where
+    tf_nvlink runs the steps asked for)."""
+    x, y = _data(50, seed=5)
+    weights = np.random.default_rng(6).uniform(0.5, 2.0, len(x)).astype("float32")
+    model = where.compile(_model(where, _INPUT, _dense(8, activation="relu"), _dense(1)), metrics=["mae"],
+                          weighted_metrics=["mse"])
+    history = model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=3, initial_epoch=1, shuffle=False,
+                        validation_split=0.3, validation_steps=4, validation_batch_size=3, verbose=0)
+    evaluated = model.evaluate(x, y, batch_size=BATCH, steps=4, verbose=0, return_dict=True)
+    predicted = model.predict(x, batch_size=5, steps=4, verbose=0)
+    result = _summary(model, history, evaluated, predict=np.asarray(predicted).tolist())
+    result["exact"]["predict_shape"] = list(np.shape(predicted))
+    return result
+
+
+def optimizer_options(where):
+    """AdamW with `global_clipnorm`, `gradient_accumulation_steps` and an exponential moving average of the
+    weights (`use_ema`), a kernel regularizer (its loss counted once over the replicas)."""
+    x, y = _data(40, seed=8)
+    model = where.compile(
+        _model(where, _INPUT, _dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01)),
+               _dense(1)),
+        optimizer=lambda: keras.optimizers.AdamW(0.01, global_clipnorm=1.0, gradient_accumulation_steps=2,
+                                                 use_ema=True, ema_momentum=0.9))
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return _summary(model, history, optimizer=[np.asarray(_copies(v)[0], "float64").ravel().tolist()
+                                               for v in model.optimizer.variables])
+
+
+class CustomStepModel(keras.Model):
+    """A subclassed model with its own `train_step` (GradientTape, `optimizer.apply`, its own metrics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            predicted = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=predicted)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        self.mae.update_state(y, predicted)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae]
+
+
+def custom_train_step(where):
+    """A subclassed model with its own `train_step` and metrics (`compute_loss`, `optimizer.apply`), as Keras'
+    guide writes one: the weights and its metric as on one device."""
+    x, y = _data(32, seed=9)
+    with where.scope():
+        keras.utils.set_random_seed(3)
+        model = CustomStepModel()
+    where.compile(model)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    result = _summary(model, history)
+    # The step's own tracker is given `compute_loss`'s value, which Keras scales for distribution (each replica's
+    # share of the mean): it logs the share, under any MirroredStrategy (docs/architecture.md).
+    del result["close"]["logs"]["loss"]
+    return result
+
+
+def run_eagerly(where):
+    """`compile(run_eagerly=True)`: Keras' eager loop, under the strategy as on one device."""
+    x, y = _data()
+    model = _model(where, _INPUT, _dense(1))
+    with where.scope():
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True, metrics=["mae"])
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return _summary(model, history, model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
+
+
 ROWS = {row.__name__: row for row in (
     bn_unknown_length, class_weight_numpy, class_weight_dataset, sample_weight_dataset, validation_callbacks,
     validation_freq, multi_output_dict, unbuilt_reshuffle, generator_passes, python_generator, pydataset_shuffle,
-    numpy_shuffle, on_batch_calls, input_error, batchnorm_synchronized, mixed_precision)}
+    numpy_shuffle, on_batch_calls, input_error, batchnorm_synchronized, mixed_precision, batch_logs, fit_arguments,
+    optimizer_options, custom_train_step, run_eagerly)}
 
 
 def run(selected):
+    import time
     import traceback
 
     results = {}
     for name in selected:
         results[name] = {}
         for path in ("one_device",) + PATHS:
+            started = time.perf_counter()
             try:
                 results[name][path] = ROWS[name](Where(path))
             except Exception:  # noqa: BLE001 - the test shows the traceback of the row that failed
                 results[name][path] = {"error": traceback.format_exc()[-3000:]}
+            print(f"feature matrix {LAYOUT}: {name} {path} {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return results
 
 

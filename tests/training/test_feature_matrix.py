@@ -5,8 +5,9 @@ Each layout runs every row in one process (one strategy per process), started in
 are collected. Compared with one device: weights, epoch logs (loss, each output's loss, metrics, `val_*`),
 evaluate's results and the rows' own numbers at float32's 1e-5 (float16 rows at float16's precision); counts,
 orders, file names and errors exactly. The default run has fused mode (the GPU path, through the CPU emulation)
-on 2 replicas, both paths; the slow tier adds 1 replica, split mode and plain (no XLA) on 2. `pytest -m gpu`
-runs the rows on the real GPUs (tests/test_gpu.py).
+on 2 replicas, both paths, for `DEFAULT_ROWS`; the slow tier has the other rows there, and every row on 1
+replica, in split mode and in plain mode (no XLA) on 2. `pytest -m gpu` runs the rows on the real GPUs
+(tests/test_gpu.py).
 """
 
 from pathlib import Path
@@ -19,25 +20,41 @@ import scenarios
 _CASES = str(Path(__file__).resolve().parent / "feature_matrix_cases.py")
 
 
-def _layout_body(layout):
+def _layout_body(layout, rows):
     return (f"import runpy, sys\n"
             f"sys.argv = [{_CASES!r}, {layout!r}]\n"
-            f"cases = runpy.run_path({_CASES!r}, run_name='__matrix__')\n"
-            f"result = cases['run'](list(cases['ROWS']))\n")
+            f"result = runpy.run_path({_CASES!r}, run_name='__matrix__')['run']({rows!r})\n")
 
 
 ROWS = ["bn_unknown_length", "class_weight_numpy", "class_weight_dataset", "sample_weight_dataset",
         "validation_callbacks", "validation_freq", "multi_output_dict", "unbuilt_reshuffle", "generator_passes",
         "python_generator", "pydataset_shuffle", "numpy_shuffle", "on_batch_calls", "input_error",
-        "batchnorm_synchronized", "mixed_precision"]
+        "batchnorm_synchronized", "mixed_precision", "batch_logs", "fit_arguments", "optimizer_options",
+        "custom_train_step", "run_eagerly"]
+# The default run: fused mode on 2 replicas (the GPU path), both paths, one row per fix (NaN logs of an empty
+# replica, per-output losses, the build that takes no batch, *_on_batch, input errors, eager steps); every other
+# cell is in the slow tier. About 50 s of one core.
+DEFAULT_ROWS = ["class_weight_numpy", "validation_freq", "multi_output_dict", "unbuilt_reshuffle",
+                "generator_passes", "python_generator", "on_batch_calls", "input_error", "custom_train_step",
+                "run_eagerly"]
 # float16 compute: the replicas' partial sums round differently from one device's sum.
 _TOLERANCE = {"mixed_precision": (2e-3, 2e-4)}
-
-LAYOUTS = {layout: scenarios.Scenario(f"feature_matrix_{layout}", prelude="", cases={"all": _layout_body(layout)},
-                                      timeout=1200, slow=layout != "emulated2", long=True)
-           for layout in ("emulated2", "emulated1", "split2", "plain2")}
 _PATHS = {"emulated2": ("per_step", "compiled"), "emulated1": ("per_step", "compiled"), "split2": ("per_step",),
           "plain2": ("per_step",)}
+
+
+def _scenario(layout, rows, slow):
+    return scenarios.Scenario(f"feature_matrix_{layout}{'_slow' if slow else ''}", prelude="",
+                              cases={"all": _layout_body(layout, rows)}, timeout=1200, slow=slow, long=True)
+
+
+_DEFAULT = _scenario("emulated2", DEFAULT_ROWS, slow=False)
+_SLOW = {layout: _scenario(layout, [row for row in ROWS if layout != "emulated2" or row not in DEFAULT_ROWS],
+                           slow=True) for layout in _PATHS}
+
+
+def _scenario_of(layout, row):
+    return _DEFAULT if layout == "emulated2" and row in DEFAULT_ROWS else _SLOW[layout]
 
 
 def _compare(row, path, result, reference, where=""):
@@ -59,16 +76,16 @@ def _compare(row, path, result, reference, where=""):
 
 
 def _cells():
-    for layout, scenario in LAYOUTS.items():
-        marks = [pytest.mark.slow] if scenario.slow else []
+    for layout, paths in _PATHS.items():
         for row in ROWS:
-            for path in _PATHS[layout]:
+            marks = [pytest.mark.slow] if _scenario_of(layout, row).slow else []
+            for path in paths:
                 yield pytest.param(layout, row, path, marks=marks, id=f"{layout}-{row}-{path}")
 
 
 @pytest.mark.parametrize("layout,row,path", list(_cells()))
 def test_as_on_one_device(layout, row, path):
-    assert_as_on_one_device(LAYOUTS[layout].result("all")[row], row, path)
+    assert_as_on_one_device(_scenario_of(layout, row).result("all")[row], row, path)
 
 
 def assert_as_on_one_device(results, row, path):

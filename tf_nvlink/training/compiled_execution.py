@@ -319,9 +319,8 @@ class CompiledExecution:
             autograph=False)
 
     def _logs(self, per_replica_outputs):
-        """The logs of an execution (its last step's), as Keras reports them, every metric read over all replicas."""
-        return with_metrics_across_replicas(self.model,
-                                            internals.reduce_step_outputs(per_replica_outputs, self.strategy))
+        """The logs of an execution (its last step's), reduced as Keras reduces them."""
+        return internals.reduce_step_outputs(per_replica_outputs, self.strategy)
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
@@ -369,14 +368,16 @@ class CompiledExecution:
             raise error
         if outputs is None:
             raise StopIteration
-        return outputs
+        # Read after the execution, as a function of its own: the reads all-reduce, and collectives of one
+        # function that are not ordered against the programs' all-reduces can wait on each other.
+        return with_metrics_across_replicas(self.model, outputs)
 
     def _execute(self, iterator, batches: list, take_ahead: bool):
         outputs = None
         for group in _same_shape_runs(batches, self.strategy):
             if not all(_stackable(batch, self.strategy) for batch in group):
                 for batch in group:
-                    outputs = with_metrics_across_replicas(self.model, self.one_step(batch))
+                    outputs = self.one_step(batch)
                 continue
             self._check_memory(group[0])
             with _explained_oom(self, group[0]):

@@ -49,8 +49,8 @@ def with_metrics_across_replicas(model, logs):
     """A train/test function's `logs` (its last step's, each value reduced over the replicas) with every value that
     is one of the model's metrics (the loss tracker, each output's loss, compiled metrics) read over all replicas:
     the metric's state summed over the replicas, its result computed once, as one device computes it. Other
-    values and logs that are not a dict stay as they are. In a tf.function (the compiled execution's launch) it
-    adds the reads to that function; eagerly it runs them as one.
+    values and logs that are not a dict stay as they are. Call it eagerly, after the function: the reads run as a
+    tf.function of their own (their all-reduces in the function that ran the step could wait on the step's).
 
     Why: Keras' function reduces each replica's result with a mean, so a step split 3 + 2 (or 1 + 0) logs the
     mean of the replicas' means, not the global one: what `train_on_batch`/`test_on_batch` return and what
@@ -61,13 +61,10 @@ def with_metrics_across_replicas(model, logs):
     """
     if not isinstance(logs, dict) or model.distribute_strategy.num_replicas_in_sync < 2:
         return logs
-    if tf.executing_eagerly():
-        metrics = tuple(id(metric) for metric in model.metrics)  # compile() makes new ones
-        if _METRIC_READS.get(model, (None,))[0] != metrics:
-            _METRIC_READS[model] = (metrics, tf.function(lambda: _metric_results(model), autograph=False))
-        results = _METRIC_READS[model][1]()
-    else:
-        results = _metric_results(model)
+    metrics = tuple(id(metric) for metric in model.metrics)  # compile() makes new ones
+    if _METRIC_READS.get(model, (None,))[0] != metrics:
+        _METRIC_READS[model] = (metrics, tf.function(lambda: _metric_results(model), autograph=False))
+    results = _METRIC_READS[model][1]()
     return {key: results[key] if key in results else value for key, value in logs.items()}
 
 
@@ -122,6 +119,9 @@ def open_batch_dimension(data):
     Example:
         >>> step = lambda data: model.train_step(open_batch_dimension(data))   # inside strategy.run
     """
+
+    if tf.executing_eagerly():  # `run_eagerly`: nothing is traced
+        return data
 
     def open_leaf(leaf):
         if isinstance(leaf, tf.Tensor) and leaf.shape.rank and leaf.shape[0] is not None:
