@@ -48,7 +48,7 @@ import tensorflow as tf
 from tf_nvlink import internals
 from tf_nvlink.distribute import base
 from tf_nvlink.training import compiled_execution, exact_batches, gradient_allreduce, replica_sync
-from tf_nvlink.training.per_replica_steps import PerReplicaCustomStep, PerReplicaXlaStep
+from tf_nvlink.training.per_replica_steps import PerReplicaCustomStep, PerReplicaXlaStep, all_reduces_in_program
 
 log = internals.log
 
@@ -102,9 +102,9 @@ def _per_step_function(model, step_function: Callable, kind: str, keras_make_fun
         return keras_make_function(step), step, True
     strategy = model.distribute_strategy
     step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))
-    if model.steps_per_execution > 1 and internals.fused_allreduce_possible(strategy) \
-            and strategy.xla_allreduce == "fused":
-        # Keras' multi-step loop fails without merge_call; this one takes the steps the epoch asks for itself.
+    if model.steps_per_execution > 1 and all_reduces_in_program(strategy):
+        # Keras' multi-step loop fails on an all-reduce without merge_call inside its tf.cond (synchronized
+        # BatchNorm on one GPU too); this one takes the steps the epoch asks for itself.
         return internals.unrolled_steps_function(model, step, compiled_execution.next_batches), step, False
     return keras_make_function(step, outer_jit=False), step, False  # no one XLA cluster spanning the replicas
 

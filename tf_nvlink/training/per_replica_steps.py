@@ -15,6 +15,19 @@ from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKeras
 from tf_nvlink.training.exact_batches import open_batch_dimension, replica_shares, weighted_by_examples
 
 
+def all_reduces_in_program(strategy) -> bool:
+    """Whether a per-replica step's all-reduces (the gradients', the example count's, synchronized BatchNorm's) run
+    inside each replica's XLA program, without merge_call (GPUs only: TensorFlow skips merge_call under XLA there;
+    fused mode, or one GPU), or outside it (split mode).
+
+    Example:
+        >>> all_reduces_in_program(tf_nvlink.strategy())     # 2 GPUs, fused
+        True
+    """
+    whole_step = strategy.xla_allreduce == "fused" or strategy.num_replicas_in_sync == 1  # one: no all-reduce
+    return internals.fused_allreduce_possible(strategy) and whole_step
+
+
 class PerReplicaXlaStep:
     """Stands in for `model.train_step`/`test_step` inside `strategy.run`: XLA per replica, optimizer outside.
 
@@ -33,11 +46,7 @@ class PerReplicaXlaStep:
 
     @property
     def _all_reduces_in_program(self) -> bool:
-        """Whether the step's all-reduces (the gradients', the example count's) run inside each replica's XLA
-        program (GPUs only: TensorFlow skips merge_call under XLA there), or outside it (split mode)."""
-        strategy = self.model.distribute_strategy
-        whole_step = strategy.xla_allreduce == "fused" or strategy.num_replicas_in_sync == 1  # one: no all-reduce
-        return internals.fused_allreduce_possible(strategy) and whole_step
+        return all_reduces_in_program(self.model.distribute_strategy)
 
     @property
     def fused(self) -> bool:
