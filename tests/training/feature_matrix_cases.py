@@ -5,6 +5,8 @@ LAYOUT:
   without XLA), each row on both paths: "per_step" (the plan's `compiled_execution` off) and "compiled";
 - "split2": 2 CPU replicas, `jit_compile=True` (XLA per replica, the all-reduce outside), the per-step path;
 - "plain2": 2 CPU replicas, `jit_compile=False`, the per-step path;
+- "workers2": one of 2 worker processes (TF_CONFIG set by the caller), one CPU device each, `jit_compile=True`
+  (split mode across workers), the per-step path;
 - "gpu1" / "gpu2": `tf_nvlink.strategy()` over 1 or 2 real GPUs (XLA), both paths.
 
 Each row (a function below, named in ROWS) trains, evaluates or predicts once per path under the layout's
@@ -40,7 +42,11 @@ REPLICAS = int(LAYOUT[-1])
 STEPS = 2  # steps_per_execution of the models (each epoch ends with a partial execution: 33 examples at batch 8)
 BATCH = 8
 
-if LAYOUT.startswith("gpu"):
+if LAYOUT == "workers2":  # this process is one of 2 workers (TF_CONFIG), one CPU device each
+    import tf_nvlink  # noqa: E402
+
+    strategy = tf_nvlink.strategy(peer_timeout_s=120)
+elif LAYOUT.startswith("gpu"):
     tf.config.experimental.enable_tensor_float_32_execution(False)  # float32 matmuls in float32: 1e-5 holds
     import tf_nvlink  # noqa: E402
 
@@ -77,7 +83,9 @@ class Where:
     def scope(self):
         if self.one_device:
             return contextlib.nullcontext()
-        base.attach_plan(strategy, dataclasses.replace(strategy.plan, compiled_execution=self.path == "compiled"))
+        if hasattr(strategy.plan, "compiled_execution"):  # a multi-worker plan has no compiled path
+            base.attach_plan(strategy, dataclasses.replace(strategy.plan,
+                                                           compiled_execution=self.path == "compiled"))
         return strategy.scope()
 
     def compile(self, model, optimizer=None, steps_per_execution=STEPS, **kwargs):
@@ -141,6 +149,8 @@ def _summary(model, history=None, evaluate=None, **close):
 # synchronized=True computes them over the global batch, as one device does, so rows compare that. Split mode
 # cannot hold its all-reduce inside a replica's XLA program (CrossReplicaCallInXlaError; test_replica_sync).
 _NO_SYNCHRONIZED_BN = "split mode cannot all-reduce BatchNorm(synchronized=True)'s statistics inside XLA"
+_NO_SYNCHRONIZED_BN_ACROSS_WORKERS = ("an all-reduce inside XLA cannot span worker processes: BatchNorm(synchronized="
+                                      "True) is refused there (SynchronizedBatchNormError)")
 
 
 def _batch_norm():
@@ -152,6 +162,8 @@ def bn_unknown_length(where):
     BatchNorm with each replica's own statistics (differs from one device by design): its logs are finite."""
     if LAYOUT == "split2" and not where.one_device:
         return {"cannot": _NO_SYNCHRONIZED_BN}
+    if LAYOUT == "workers2" and not where.one_device:
+        return {"cannot": _NO_SYNCHRONIZED_BN_ACROSS_WORKERS}
     x, y = _data()
     data = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH)
     model = where.compile(_model(where, _INPUT, _dense(8), _batch_norm,
@@ -207,6 +219,8 @@ def validation_callbacks(where):
     (save_best_only), TerminateOnNaN, ReduceLROnPlateau."""
     if LAYOUT == "split2" and not where.one_device:
         return {"cannot": _NO_SYNCHRONIZED_BN}
+    if LAYOUT == "workers2" and not where.one_device:
+        return {"cannot": _NO_SYNCHRONIZED_BN_ACROSS_WORKERS}
     x, y = _data(64, seed=1)
     vx, vy = _data(33, seed=2)
     model = where.compile(_model(where, _INPUT, _dense(8), _batch_norm,
@@ -395,6 +409,8 @@ def batchnorm_synchronized(where):
     """`BatchNormalization(synchronized=True)`: the statistics over the whole global batch."""
     if LAYOUT == "split2" and not where.one_device:
         return {"cannot": _NO_SYNCHRONIZED_BN}
+    if LAYOUT == "workers2" and not where.one_device:
+        return {"cannot": _NO_SYNCHRONIZED_BN_ACROSS_WORKERS}
     x, y = _data(32)
     model = where.compile(_model(where, _INPUT, _dense(8), partial(keras.layers.BatchNormalization,
                                                                                   synchronized=True), _dense(1)))

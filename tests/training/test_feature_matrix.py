@@ -6,10 +6,16 @@ are collected. Compared with one device: weights, epoch logs (loss, each output'
 evaluate's results and the rows' own numbers at float32's 1e-5 (float16 rows at float16's precision); counts,
 orders, file names and errors exactly. The default run has fused mode (the GPU path, through the CPU emulation)
 on 2 replicas, both paths, for `DEFAULT_ROWS`; the slow tier has the other rows there, and every row on 1
-replica, in split mode and in plain mode (no XLA) on 2. `pytest -m gpu` runs the rows on the real GPUs
-(tests/test_gpu.py).
+replica, in split mode and in plain mode (no XLA) on 2, and in 2 worker processes (multi-worker mode). `pytest -m
+gpu` runs the rows on the real GPUs (tests/test_gpu.py).
 """
 
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +92,45 @@ def _cells():
 @pytest.mark.parametrize("layout,row,path", list(_cells()))
 def test_as_on_one_device(layout, row, path):
     assert_as_on_one_device(_scenario_of(layout, row).result("all")[row], row, path)
+
+
+@functools.lru_cache(maxsize=None)
+def _two_workers() -> tuple:
+    """Every row in 2 worker processes on this host (TF_CONFIG, one CPU device each, split mode across workers);
+    each worker's results, its own one-device results included."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("localhost", 0))
+            ports.append(probe.getsockname()[1])
+    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    root = Path(__file__).resolve().parents[2]
+    workers = []
+    for index in range(2):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+                   CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"),
+                                                                          os.environ.get("PYTHONPATH", "")]))
+        workers.append(subprocess.Popen([sys.executable, _CASES, "workers2"], env=env, cwd=root, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+    outputs = []
+    try:
+        for worker in workers:
+            out, err = worker.communicate(timeout=1200)
+            assert worker.returncode == 0, err[-3000:]
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    return tuple(outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ROWS)
+def test_two_workers_as_on_one_device(row):
+    """Multi-worker mode: 2 worker processes, each a replica; every row as on one device on both workers."""
+    for results in _two_workers():
+        assert_as_on_one_device(results[row], row, "per_step")
 
 
 def assert_as_on_one_device(results, row, path):

@@ -102,9 +102,10 @@ def _per_step_function(model, step_function: Callable, kind: str, keras_make_fun
         return keras_make_function(step), step, True
     strategy = model.distribute_strategy
     step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))
-    if model.steps_per_execution > 1 and all_reduces_in_program(strategy):
+    if model.steps_per_execution > 1 and (all_reduces_in_program(strategy) or internals.worker_count(strategy) > 1):
         # Keras' multi-step loop fails on an all-reduce without merge_call inside its tf.cond (synchronized
-        # BatchNorm on one GPU too); this one takes the steps the epoch asks for itself.
+        # BatchNorm on one GPU too), and on the collectives of several workers ("You must feed a value for
+        # placeholder tensor ... while/cond/Placeholder"); this one takes the steps the epoch asks for itself.
         return internals.unrolled_steps_function(model, step, compiled_execution.next_batches), step, False
     return keras_make_function(step, outer_jit=False), step, False  # no one XLA cluster spanning the replicas
 
