@@ -311,16 +311,13 @@ class CompiledExecution:
         self._ahead_of: Callable[[], Any] = lambda: None
         self._checked_memory = False
         self._outer = tf.function(
-            lambda batches, count=None: self._logs(self.programs.run(batches, count)), autograph=False)
+            lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
+                                                                      self.strategy), autograph=False)
         # A full execution that also copies the next execution's host batches to the replicas' devices: the
         # copies are not inputs of the program, so they run beside it instead of before it.
         self._outer_copying_ahead = tf.function(
-            lambda batches, ahead: (self._logs(self.programs.run(batches)), self._on_replicas(ahead)),
-            autograph=False)
-
-    def _logs(self, per_replica_outputs):
-        """The logs of an execution (its last step's), reduced as Keras reduces them."""
-        return internals.reduce_step_outputs(per_replica_outputs, self.strategy)
+            lambda batches, ahead: (internals.reduce_step_outputs(self.programs.run(batches), self.strategy),
+                                    self._on_replicas(ahead)), autograph=False)
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
 
