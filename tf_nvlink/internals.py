@@ -3,6 +3,8 @@ this one module, each with what it touches, the versions checked and why it exis
 
 Versions checked: Keras 3.12 to 3.15.1 (`TESTED_KERAS`, setup.cfg's range) and TensorFlow 2.21 (setup.cfg's floor, what CI tests), unless a
 note says otherwise; tests/training/test_install.py and test_replica_sync.py pin the Keras source these rely on.
+Keras 3.16 moved two of them (`_keras_trainer_class`, `keras_variable_class` find either place); the pins pass on
+keras-nightly 3.16.0.dev2026102704, outside the declared range until a 3.16 release candidate passes.
 Nothing else in tf_nvlink/ may touch a private name (tests/test_private_api.py checks it). The callers pass
 their own logic in (the trainer hooks' step builder, the "is this a tf_nvlink strategy" check), so this module
 imports nothing of tf_nvlink's above it. What was changed in Keras is held in `_STATE`, a `HookState`
@@ -19,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import importlib
 import logging
 import threading
 import weakref
@@ -91,9 +94,16 @@ def _keras_callback_list_class():
 
 
 def _keras_trainer_class():
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: PLC0415
+    """Keras' TensorFlow trainer, the class `keras.Model` inherits fit's machinery from: `TensorFlowTrainer` in
+    `keras.src.backend.tensorflow.trainer` (Keras 3.12 to 3.15.1), renamed `Trainer` in the same module by Keras
+    3.16 (keras-nightly 3.16.0.dev2026102704 checked; no alias; its base became `BaseTrainer`)."""
+    from keras.src.backend.tensorflow import trainer as module  # noqa: PLC0415
 
-    return TensorFlowTrainer
+    for name in ("TensorFlowTrainer", "Trainer"):
+        trainer = getattr(module, name, None)
+        if isinstance(trainer, type):
+            return trainer
+    raise ImportError(f"no TensorFlowTrainer (or Trainer) in {module.__name__}")
 
 
 def check_keras_support() -> str | None:
@@ -108,7 +118,7 @@ def check_keras_support() -> str | None:
     missing = [name for name in ("_make_function", "_resolve_auto_jit_compile", "train_step", "test_step")
                if not hasattr(trainer, name)]
     if missing:
-        return f"Keras {keras.__version__} has no TensorFlowTrainer.{', '.join(missing)}"
+        return f"Keras {keras.__version__} has no {trainer.__name__}.{', '.join(missing)}"
     if version[:1] != (3,):
         return f"Keras {keras.__version__} is not Keras 3"
     return None
@@ -1054,10 +1064,14 @@ def check_gradients_present(grads_and_vars) -> None:
 
 
 def keras_variable_class():
-    """Keras' TensorFlow-backend Variable class (`keras.src.backend.tensorflow.core.Variable`)."""
-    from keras.src.backend.tensorflow.core import Variable  # noqa: PLC0415
-
-    return Variable
+    """Keras' TensorFlow-backend Variable class: `keras.src.backend.tensorflow.core.Variable` (Keras 3.12 to 3.15.1),
+    `keras.src.backend.tensorflow.ops.core.Variable` in Keras 3.16 (keras-nightly 3.16.0.dev2026102704 checked)."""
+    for module in ("keras.src.backend.tensorflow.core", "keras.src.backend.tensorflow.ops.core"):
+        try:
+            return importlib.import_module(module).Variable
+        except ImportError:
+            continue
+    raise ImportError("no Variable in keras.src.backend.tensorflow.core or keras.src.backend.tensorflow.ops.core")
 
 
 def report_variable_writes(on_write: Callable[[object], None]) -> bool:

@@ -215,12 +215,12 @@ def test_keras_internals_the_sync_relies_on():
     import inspect
 
     import keras
-    from keras.src.backend.tensorflow.core import Variable
 
+    from tf_nvlink import internals
     from tf_nvlink.training import replica_sync
 
+    Variable = internals.keras_variable_class()  # moved to keras.src.backend.tensorflow.ops.core in Keras 3.16
     replica_sync._install_write_recorder()
-    from tf_nvlink import internals
 
     original = internals.keras_variable_write_original()
     assert "self._value.assign" in inspect.getsource(original)
