@@ -1,7 +1,7 @@
 """Every private Keras/TensorFlow touch lives in tf_nvlink/internals.py, and nowhere else in tf_nvlink/.
 
 Flagged anywhere else: an import or mention of `keras.src` or `tensorflow.python`, and an access of a private
-attribute (`obj._name`) that tf_nvlink itself does not define. `self._x`/`cls._x` count as our own only when a
+attribute (`obj._name`, or `getattr(obj, "_name")` and its kin) that tf_nvlink itself does not define. `self._x`/`cls._x` count as our own only when a
 class of ours assigns them in a method, and `_x` names as our own only when a module or class of ours defines
 them (nested functions that take a Keras method's name do not count).
 """
@@ -60,11 +60,23 @@ def private_touches(package: pathlib.Path, exempt: pathlib.Path) -> list[str]:
             if PRIVATE_MODULES.search(line):
                 problems.append(f"{where}:{number}: names {PRIVATE_MODULES.search(line).group(1)}")
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
-                continue
-            if node.attr not in own:
-                problems.append(f"{where}:{node.lineno}: touches private attribute .{node.attr}")
+            name = _private_name_touched(node)
+            if name is not None and name not in own:
+                problems.append(f"{where}:{node.lineno}: touches private attribute .{name}")
     return problems
+
+
+def _private_name_touched(node) -> str | None:
+    """The private name `node` reads or writes: `obj._x`, or `getattr`/`hasattr`/`setattr`/`delattr(obj, "_x")`."""
+    if isinstance(node, ast.Attribute):
+        name = node.attr
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2 \
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+        name = node.args[1].value
+    else:
+        return None
+    return name if name.startswith("_") and not name.startswith("__") else None
 
 
 def test_only_internals_touches_private_keras_and_tensorflow():
@@ -83,6 +95,10 @@ def test_only_internals_touches_private_keras_and_tensorflow():
     # A nested function named like a Keras method is not a definition of ours.
     ("def install(trainer):\n    def _make_function(self):\n        pass\n    return trainer._make_function\n",
      "touches private attribute ._make_function"),
+    ("def layers(model):\n    return getattr(model, '_flatten_layers', None)\n",
+     "touches private attribute ._flatten_layers"),
+    ("def workers(strategy):\n    return hasattr(strategy.extended, '_num_workers')\n",
+     "touches private attribute ._num_workers"),
 ])
 def test_a_touch_added_elsewhere_is_named_with_file_and_line(tmp_path, source, expected):
     package = tmp_path / "tf_nvlink"

@@ -197,6 +197,13 @@ def _is_user_tf_dataset(epoch_iterator) -> bool:
     return isinstance(getattr(epoch_iterator, "data_adapter", None), TFDatasetAdapter)
 
 
+def nested_layers(model) -> list:
+    """Every layer inside `model`, nested ones included, not the model itself (Keras' `Layer._flatten_layers`,
+    Keras 3.12 to 3.16.dev; no public accessor walks nested layers), or its `layers` where it has no such method."""
+    walk = getattr(model, "_flatten_layers", None)
+    return list(walk(include_self=False, recursive=True)) if walk else list(getattr(model, "layers", []))
+
+
 def fully_built(model) -> bool:
     """True when `model`'s layers, compiled loss and metrics and optimizer are all built: then Keras'
     `_symbolic_build` would build nothing (the attributes it checks, read the same way)."""

@@ -163,7 +163,7 @@ def check_synchronized_batch_norm(model, jit: bool) -> None:
     several_workers = internals.worker_count(strategy) > 1  # XLA's NCCL cannot span processes
     if not jit or internals.fused_allreduce_possible(strategy) and not several_workers:
         return
-    synced = [layer.name for layer in _layers(model) if getattr(layer, "synchronized", False)]
+    synced = [layer.name for layer in internals.nested_layers(model) if getattr(layer, "synchronized", False)]
     if synced:
         raise SynchronizedBatchNormError(
             f"BatchNormalization(synchronized=True) ({', '.join(synced)}) cannot all-reduce its batch statistics "
@@ -171,11 +171,6 @@ def check_synchronized_batch_norm(model, jit: bool) -> None:
             f"{list(strategy.extended.worker_devices)}{', several workers' if several_workers else ''}). "
             f"Compile with jit_compile=False, or use synchronized=False: tf_nvlink averages the moving "
             f"statistics across replicas after every step.")
-
-
-def _layers(model):
-    seen = getattr(model, "_flatten_layers", None)
-    return list(seen(include_self=False, recursive=True)) if seen else list(getattr(model, "layers", []))
 
 
 class SyncedStep:
