@@ -144,3 +144,16 @@ def assert_as_on_one_device(results, row, path):
     assert exact.pop("replica_copies_agree"), f"{row} {path}: the replicas' copies of a variable differ"
     assert exact == {k: v for k, v in reference["exact"].items() if k != "replica_copies_agree"}, f"{row} {path}"
     _compare(row, path, result["close"], reference["close"])
+
+
+def test_every_row_of_the_cases_is_tested():
+    """The rows feature_matrix_cases.py defines (its ROWS, read without running it: it builds a strategy) are the
+    rows this module tests, and the default ones are among them."""
+    import ast
+
+    tree = ast.parse(Path(_CASES).read_text())
+    defined = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "ROWS" for t in node.targets))
+    rows = [element.id for element in defined.generators[0].iter.elts]
+    assert rows == ROWS
+    assert set(DEFAULT_ROWS) <= set(ROWS)
