@@ -89,13 +89,13 @@ class ModeScript:
 FUSED_CPU_EMULATION = r'''
 def fused_strategy_emulated_on_cpu(devices=("/cpu:0", "/cpu:1")):
     """A tf_nvlink strategy in fused XLA mode on CPU replicas, without XLA itself (XLA on CPU cannot compile
-    collectives): `internals.emulate_fused_mode_on_cpu()` switches on TensorFlow's no-merge_call path, which it
+    collectives): `internals.tf_runtime.emulate_fused_mode_on_cpu()` switches on TensorFlow's no-merge_call path, which it
     takes under XLA on all-GPU replicas, and the per-replica functions (fit's PerReplicaXlaStep, custom loops'
     PerReplicaCustomStep) are built exactly as in fused mode but without jit. Call it once per process, before
     building models."""
     import dataclasses
     import tf_nvlink
-    from tf_nvlink import internals
+    from tf_nvlink.internals import tf_runtime as internals
     from tf_nvlink.distribute import base
 
     internals.emulate_fused_mode_on_cpu()

@@ -77,7 +77,7 @@ def test_h200_facts_when_on_h200():
 @needs_gpu
 def test_tf_gpus_map_to_nvml_by_pci():
     proc = run_python(
-        "import json; from tf_nvlink import internals; from tf_nvlink.machine import nvml, tf_devices\n"
+        "import json; from tf_nvlink.internals import tf_runtime as internals; from tf_nvlink.machine import nvml, tf_devices\n"
         "topo = nvml.probe(); m = tf_devices.map_tf_gpus(topo, internals.tf_gpu_descs())\n"
         "print(json.dumps([[d.tf_index, d.nvml_index, str(d.pci_bus_id), str(topo.gpu(d.nvml_index).pci_bus_id)]"
         " for d in m]))", timeout=300)

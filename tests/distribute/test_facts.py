@@ -5,7 +5,7 @@ import types
 import fake_nvml
 from fake_nvml import FakeNvml
 from fake_nvml import A100_AS_CUDA_0, mixed_t4_a100
-from tf_nvlink import internals
+from tf_nvlink.internals import tf_runtime as internals
 from tf_nvlink.distribute import facts
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine.tf_devices import map_tf_gpus

@@ -248,7 +248,7 @@ def test_build_strategy_fails_fast_on_an_unreachable_peer_and_after_program_star
     strategy is refused with an explanation instead of TensorFlow's own error. In this process, whose runtime has
     started: the first check is told it has not (a fresh process, where it has not, builds the strategy in the
     training benchmark's `workers` test, tests/tools/test_training_bench.py), and no strategy is ever started."""
-    from tf_nvlink import internals
+    from tf_nvlink.internals import tf_runtime as internals
 
     own, closed = free_ports(2)
     cluster = cluster_config.parse_tf_config(tf_config(cluster={"worker": [f"localhost:{own}",

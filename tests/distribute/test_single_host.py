@@ -156,7 +156,7 @@ def test_without_nccl_kernels_the_plan_falls_back_and_says_so(tf):
 
     from tf_nvlink.plan import policy
 
-    from tf_nvlink import internals
+    from tf_nvlink.internals import tf_runtime as internals
     assert internals.nccl_kernels_registered() is True  # PyPI's TensorFlow is a CUDA build: NCCL's GPU kernel is there
     plan = policy.make_plan(nvml.probe(FakeNvml(h200_x2())))
     assert (plan.cross_device_ops, plan.xla_allreduce) == ("nccl", "fused")
@@ -177,7 +177,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import pynvml, fake_nvml
 from tensorflow.python.framework import kernels
-from tf_nvlink import internals
+from tf_nvlink.internals import tf_runtime as internals
 from tf_nvlink.machine import nvml
 from tf_nvlink.distribute import single_host
 

@@ -29,7 +29,7 @@ RESNET_BYTES = 102_236_160
 def xspace(gpus: dict):
     """An XSpace with one plane per GPU: {plane name: [(event name, start_ms, duration_ms), ...]}, all on one
     "Stream #7(Compute)" line, plus a host plane and a non-Stream annotation line that must be ignored."""
-    from tf_nvlink import internals
+    from tf_nvlink.internals import tf_runtime as internals
 
     pb = internals.xplane_protobuf_module()
     space = pb.XSpace()

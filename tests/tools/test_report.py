@@ -13,7 +13,7 @@ import fake_nvml
 from conftest import ROOT, run_python
 from fake_nvml import FakeNvml
 from tf_nvlink import __main__ as cli
-from tf_nvlink import internals
+from tf_nvlink.internals import tf_runtime as internals
 
 from tf_nvlink.machine import nvml
 from tf_nvlink.tools import report

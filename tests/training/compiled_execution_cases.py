@@ -72,19 +72,19 @@ def build(case):
 def _count_stagings():
     """Counts how often the compiled path builds its staged input from here on; returns the reader (which stops
     counting)."""
-    from tf_nvlink.training import compiled_execution
+    from tf_nvlink.training import compiled_execution, input_staging
 
-    count, pinned = [0], compiled_execution.pinned_batches
+    count, pinned = [0], input_staging.pinned_batches
 
     def counted(dataset):
         count[0] += 1
         return pinned(dataset)
 
     def read():
-        compiled_execution.pinned_batches = pinned
+        input_staging.pinned_batches = pinned
         return count[0]
 
-    compiled_execution.pinned_batches = counted
+    input_staging.pinned_batches = counted
     return read
 
 
@@ -163,8 +163,8 @@ def train(case, compiled):
 
 def staged_memory_check():
     """The compiled path's memory check, with a device that has 1000 bytes free: the error before training."""
-    from tf_nvlink import internals
-    from tf_nvlink.training import compiled_execution
+    from tf_nvlink.internals import tf_runtime as internals
+    from tf_nvlink.training import compiled_execution, input_staging
 
     base.attach_plan(strategy, dataclasses.replace(strategy.plan, compiled_execution=True))
     free, internals.device_bytes_free = internals.device_bytes_free, lambda device: 1000
@@ -175,7 +175,7 @@ def staged_memory_check():
         before = [w.copy() for w in model.get_weights()]
         try:
             model.fit(x, np.eye(4, dtype="float32")[y], batch_size=BATCH, epochs=1, verbose=0)
-        except compiled_execution.StagedBatchesTooLarge as error:
+        except input_staging.StagedBatchesTooLarge as error:
             unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
             return {"error": str(error), "weights_unchanged": unchanged}
         return {"error": None}

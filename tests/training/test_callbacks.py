@@ -116,7 +116,7 @@ def test_backup_lets_fits_batch_ends_leave_the_training_thread_while_keras_int_f
     with an int save_freq saves at batch ends and keeps them on the training thread."""
     import keras
 
-    from tf_nvlink import internals
+    from tf_nvlink.training import fit_loop as internals
     from tf_nvlink.training import callbacks
 
     ours = callbacks.AtomicBackupAndRestore(str(tmp_path / "backup"))

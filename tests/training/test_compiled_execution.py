@@ -109,7 +109,7 @@ import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, tf_nvlink
-from tf_nvlink.training import compiled_execution
+from tf_nvlink.training import compiled_execution, input_staging
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
 data = tf.data.Dataset.from_tensor_slices((rng.normal(size=(64, 8)).astype("float32"),
@@ -165,15 +165,15 @@ def _model(spe=4, jit=True, eager=False, replicas=2, devices=("GPU:0", "GPU:1"),
      "the replicas are not all GPUs: the all-reduce runs outside XLA (split mode), so each step is its own program"),
 ])
 def test_execution_path_says_which_path_and_why(tf, kwargs, path, reason):
-    from tf_nvlink.training import compiled_execution
+    from tf_nvlink.training import compiled_execution, input_staging
 
     model = _model(**kwargs)
     assert compiled_execution.execution_path(model) == (path, reason)
-    assert compiled_execution.input_depth(model) == (4 if path == "compiled" else None)
+    assert input_staging.input_depth(model) == (4 if path == "compiled" else None)
 
 
 def test_restage_input_prefetches_the_asked_depth_and_leaves_a_distributed_dataset_alone(tf):
-    from tf_nvlink import internals
+    from tf_nvlink.training import input_staging as internals
 
     seen = []
     strategy = types.SimpleNamespace(experimental_distribute_dataset=lambda dataset, options: seen.append(
@@ -203,7 +203,7 @@ def test_restage_input_stages_a_users_tf_data_dataset_once_per_model(tf):
 
     from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
 
-    from tf_nvlink import internals
+    from tf_nvlink.training import input_staging as internals
 
     built = []
     strategy = types.SimpleNamespace(experimental_distribute_dataset=lambda dataset, options: built.append(
@@ -236,7 +236,7 @@ def test_restage_input_stages_a_users_tf_data_dataset_once_per_model(tf):
 
 def _xla_loop_hlo(tf, count):
     """The optimized HLO of a jit program whose loop runs `count` times (an int, or a tensor) on CPU."""
-    from tf_nvlink.training.compiled_execution import execution_body
+    from tf_nvlink.training.replica_programs import execution_body
 
     total = tf.Variable(0.0)
 
@@ -270,7 +270,7 @@ def test_pinned_batches_hold_the_same_batches_in_the_same_structure(tf):
     and single tensor elements; batches with ragged parts are left alone."""
     import collections
 
-    from tf_nvlink.training.compiled_execution import pinned_batches
+    from tf_nvlink.training.input_staging import pinned_batches
 
     x = np.arange(70 * 3, dtype="uint8").reshape(70, 3)
     y = np.arange(70, dtype="int32")
@@ -290,24 +290,24 @@ def test_pinned_batches_hold_the_same_batches_in_the_same_structure(tf):
 
 
 def test_input_staging_prefetches_n_pinned_batches_on_the_compiled_path_only(tf):
-    from tf_nvlink.training import compiled_execution
+    from tf_nvlink.training import input_staging
 
     model = _model()
-    depth, transform, restore, to_device, reuse_key = compiled_execution.input_staging(model)
-    assert (depth, restore, to_device, reuse_key) == (4, compiled_execution.restored_ints, True, (4, True, True))
+    depth, transform, restore, to_device, reuse_key = input_staging.input_staging(model)
+    assert (depth, restore, to_device, reuse_key) == (4, input_staging.restored_ints, True, (4, True, True))
     dataset = tf.data.Dataset.from_tensors((np.ones((2, 3), "float32"), np.arange(2, dtype="int32"))).repeat(3)
     staged = transform(dataset)
-    assert isinstance(staged.element_spec[1], compiled_execution.Int32Bits)
+    assert isinstance(staged.element_spec[1], input_staging.Int32Bits)
     assert next(iter(staged))[0].dtype == tf.float32
     tokens = tf.data.Dataset.from_tensors(np.arange(4, dtype="int32"))  # a lone int32 tensor: pinned, then back
-    np.testing.assert_array_equal(compiled_execution.restored_ints(next(iter(transform(tokens)))), np.arange(4))
+    np.testing.assert_array_equal(input_staging.restored_ints(next(iter(transform(tokens)))), np.arange(4))
     model.train_function = types.SimpleNamespace(pinned_input=False)  # the benchmark's pageable setup
-    assert compiled_execution.input_staging(model).transform is compiled_execution.int32_as_bits
+    assert input_staging.input_staging(model).transform is input_staging.int32_as_bits
     model.train_function = types.SimpleNamespace(input_to_device=False)  # the benchmark's host-input setup
-    assert compiled_execution.input_staging(model)[3:] == (False, (4, True, False))
+    assert input_staging.input_staging(model)[3:] == (False, (4, True, False))
     model.train_function = types.SimpleNamespace(reuse_staged_input=False)  # the benchmark's restaged setup
-    assert compiled_execution.input_staging(model).reuse_key is None
-    assert compiled_execution.input_staging(_model(compiled=False)) is None
+    assert input_staging.input_staging(model).reuse_key is None
+    assert input_staging.input_staging(_model(compiled=False)) is None
 
 
 def test_int32_parts_travel_as_uint32_bits_and_come_back_unchanged(tf):
@@ -315,7 +315,7 @@ def test_int32_parts_travel_as_uint32_bits_and_come_back_unchanged(tf):
     prefetch to the GPU does not copy them through the host; `restored_ints` (the program's first step) gives the
     batch back exactly, negative values included. Other dtypes, uint32 too, and datasets with ragged parts are
     left alone."""
-    from tf_nvlink.training.compiled_execution import Int32Bits, int32_as_bits, restored_ints
+    from tf_nvlink.training.input_staging import Int32Bits, int32_as_bits, restored_ints
 
     tokens = np.array([[-7, 0], [2**31 - 1, -2**31]], "int32")
     hashed = np.array([[1, 2**32 - 1], [3, 4]], "uint32")

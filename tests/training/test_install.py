@@ -5,7 +5,6 @@ strategy run in one scenario process (tests/scenarios.py). The stock-MirroredStr
 TensorFlow's failure, so the passing tests show it is the plugin's mechanism that fixes it.
 """
 
-import inspect
 
 import numpy as np
 import pytest
@@ -19,9 +18,9 @@ import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, tf_nvlink
-from tf_nvlink import internals
+from tf_nvlink.internals import trainer as trainer_seams
 from tf_nvlink.distribute import base
-from tf_nvlink.training import install
+from tf_nvlink.training import install, per_replica_steps
 rng = np.random.default_rng(0)
 x = rng.normal(size=(128, 8, 8, 1)).astype("float32"); y = rng.integers(0, 4, 128).astype("int32")
 def build():
@@ -52,10 +51,10 @@ def test_stock_mirrored_strategy_fails_with_jit_compile():
 _SHARED_CASES = {}
 _SHARED_CASES["fit, evaluate, predict"] = """
 made = []  # the per-replica steps fit and evaluate make
-original_init = install.PerReplicaXlaStep.__init__
+original_init = per_replica_steps.PerReplicaXlaStep.__init__
 def spy(self, *args, **kwargs):
     original_init(self, *args, **kwargs); made.append(self)
-install.PerReplicaXlaStep.__init__ = spy
+per_replica_steps.PerReplicaXlaStep.__init__ = spy
 try:
     strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
     with strategy.scope():
@@ -63,13 +62,13 @@ try:
     history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
     loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
 finally:
-    install.PerReplicaXlaStep.__init__ = original_init
+    per_replica_steps.PerReplicaXlaStep.__init__ = original_init
 predictions = model.predict(x[:10], batch_size=4, verbose=0)
 compiled = list(base.runner_of(strategy).per_replica_functions.values())  # predict's jit function, copied per replica
 result = {"loss": history.history["loss"], "jit": bool(model.jit_compile), "eval": [loss, accuracy],
           "pred_shape": list(predictions.shape), "mode": strategy.xla_allreduce, "predict_copies": len(compiled),
-          "steps": [{"kind": s.kind, "replicas": sorted(s._compiled),
-                     "xla": [bool(fn._jit_compile) for fn in s._compiled.values()]} for s in made]}
+          "steps": [{"kind": s.kind, "replicas": sorted(s.compiled.made()),
+                     "xla": [bool(fn._jit_compile) for fn in s.compiled.made().values()]} for s in made]}
 """
 _SHARED_CASES["auto jit"] = """
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
@@ -130,17 +129,17 @@ with strategy.scope():
 model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 """
 _SHARED_CASES["unsupported Keras"] = """
-internals.reset_hooks_for_tests()  # as in a fresh process: the hooks are installed by the next strategy() call
-real_check = internals.check_keras_support
-internals.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
+install.reset_hooks_for_tests()  # as in a fresh process: the hooks are installed by the next strategy() call
+real_check = trainer_seams.check_keras_support
+trainer_seams.check_keras_support = lambda: "pretend this Keras lacks TensorFlowTrainer._make_function"
 try:
     strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = build(); compile_(model)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 finally:
-    internals.check_keras_support = real_check
-    internals.reset_hooks_for_tests()
+    trainer_seams.check_keras_support = real_check
+    install.reset_hooks_for_tests()
     tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])  # the hooks back, for any later case
 """
 _SHARED_CASES["batch ends"] = """
@@ -213,109 +212,6 @@ def test_unsupported_keras_fails_loudly():
 
 def test_train_step_without_optimizer_call_gets_a_clear_error():
     assert "optimizer.apply_gradients" in SHARED.error("train_step without the optimizer")
-
-
-def test_keras_internals_the_hook_relies_on():
-    """Pins what tf_nvlink.training.install and internals assume of Keras; a Keras upgrade that changes these fails here first."""
-    import keras
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-    from packaging.version import Version
-
-    from tf_nvlink import internals
-
-    TensorFlowTrainer = internals._keras_trainer_class()  # renamed Trainer in Keras 3.16
-    assert internals.check_keras_support() is None
-    version = tuple(int(p) for p in keras.__version__.split(".")[:2])
-    # A pre-release of the next minor (a nightly, a release candidate) is checked against these pins before the
-    # declared range widens; its final release fails here until TESTED_KERAS does.
-    next_minor = (internals.TESTED_KERAS[1][0], internals.TESTED_KERAS[1][1] + 1)
-    assert internals.TESTED_KERAS[0] <= version <= internals.TESTED_KERAS[1] or (
-        version == next_minor and Version(keras.__version__).is_prerelease), keras.__version__
-    # Keras' own methods, also when an earlier test in this process installed the hooks over them.
-    make_function = inspect.getsource(internals._STATE.originals.get("_make_function", TensorFlowTrainer._make_function))
-    assert "self.distribute_strategy.run(step_function" in make_function
-    assert "jit_compile=self.jit_compile" in make_function
-    assert "self._make_function(self.train_step)" in inspect.getsource(TensorFlowTrainer.make_train_function)
-    assert "self._make_function(self.test_step)" in inspect.getsource(TensorFlowTrainer.make_test_function)
-    assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
-    assert "Disable XLA with tf.distribute" in inspect.getsource(internals._STATE.originals.get(
-        "_resolve_auto_jit_compile", TensorFlowTrainer._resolve_auto_jit_compile))
-    assert "jit_compile=True" in inspect.getsource(TensorFlowTrainer.make_predict_function)
-    symbolic_build = inspect.getsource(internals._STATE.originals.get("_maybe_symbolic_build",
-                                                                TensorFlowTrainer._maybe_symbolic_build))
-    assert "self._symbolic_build(data_batch=data_batch)" in symbolic_build
-    assert "for _, _, it in iterator:" in symbolic_build  # symbolic_build_from_one_replica reads it the same way
-    # exact_batches: Keras scales each replica's loss in these module functions, looked up at every call.
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers import compile_utils
-    scale = inspect.getsource(internals._STATE.originals.get("loss_module.scale_loss_for_distribution",
-                                                           loss_module.scale_loss_for_distribution))
-    assert "1.0 / num_replicas" in scale
-    reduce_values = inspect.getsource(internals._STATE.originals.get("loss_module.reduce_values",
-                                                                    loss_module.reduce_values))
-    assert "scale_loss_for_distribution(loss)" in reduce_values
-    assert 'if reduction == "mean_with_sample_weight" and sample_weight is not None:' in reduce_values
-    assert "reduce_values(values, sample_weight, reduction)" in inspect.getsource(loss_module.reduce_weighted_values)
-    assert "loss_module.unscale_loss_for_distribution(loss)" in inspect.getsource(TensorFlowTrainer.train_step)
-    assert "loss_module.scale_loss_for_distribution(loss)" in inspect.getsource(
-        TensorFlowTrainer._aggregate_additional_loss)
-    compile_loss_call = inspect.getsource(internals._STATE.originals.get("CompileLoss.call",
-                                                                         compile_utils.CompileLoss.call))
-    assert "loss_module.unscale_loss_for_distribution(value)" in compile_loss_call
-    # gradient accumulation: Keras' cond whose branches reach merge_call, and MirroredStrategy's no-merge_call switch
-    assert "ops.cond(" in inspect.getsource(BaseOptimizer._backend_apply_gradients)
-    from tensorflow.python.distribute import mirrored_strategy
-    assert "if self._use_merge_call():" in inspect.getsource(mirrored_strategy.MirroredExtended._replica_ctx_update)
-    # what fully_built() mirrors: Trainer._symbolic_build (3.12 to 3.15), BaseTrainer._get_unbuilt_components (3.16)
-    base_trainer = TensorFlowTrainer.__mro__[1]
-    checks = inspect.getsource(getattr(base_trainer, "_get_unbuilt_components", base_trainer._symbolic_build))
-    for built in ("layer.built for layer in self._flatten_layers()", "self._compile_metrics.built",
-                  "self._compile_loss.built", "self.optimizer.built"):
-        assert built in checks, built
-    # the compiled execution: the epoch's executions, Keras' count of steps taken, the distributed input
-    from keras.src.trainers.epoch_iterator import EpochIterator
-    enumerate_source = inspect.getsource(internals._STATE.originals.get("EpochIterator._enumerate_iterator",
-                                                                      EpochIterator._enumerate_iterator))
-    assert "steps_per_epoch = self.steps_per_epoch or self._num_batches or -1" in enumerate_source
-    assert "self._steps_seen += self.steps_per_execution" in enumerate_source
-    assert "step + self.steps_per_execution - 1" in enumerate_source
-    epoch_iterator_init = inspect.getsource(tf_trainer.TFEpochIterator.__init__)
-    assert "self._distributed_dataset = dataset" in epoch_iterator_init
-    assert "experimental_distribute_dataset(" in epoch_iterator_init
-    # restage_input keeps a user's tf.data dataset staged: Keras' adapter hands that very dataset back
-    from keras.src.trainers.data_adapters import tf_dataset_adapter
-    assert "self._dataset = dataset" in inspect.getsource(tf_dataset_adapter.TFDatasetAdapter.__init__)
-    assert "return self._dataset" in inspect.getsource(tf_dataset_adapter.TFDatasetAdapter.get_tf_dataset)
-    fit = inspect.getsource(TensorFlowTrainer.fit)
-    assert fit.index("self._maybe_symbolic_build(iterator=epoch_iterator)") < fit.index("epoch_iterator.reset()")
-    assert "def reduce_per_replica(values, strategy, reduction)" in inspect.getsource(tf_trainer.reduce_per_replica)
-    # batch ends: Keras' async dispatch of CallbackList, off on TensorFlow by its backend check alone
-    from keras.src.callbacks.callback_list import CallbackList
-    configure = inspect.getsource(CallbackList._configure_async_dispatch)
-    for line in ("if not backend.IS_THREAD_SAFE:", 'getattr(cbk, "async_safe", False)',
-                 "self._async_train = async_train", "self._async_test = async_test",
-                 "self._async_predict = async_predict", "utils.is_default(cbk.on_train_batch_end)"):
-        assert line in configure, line
-    assert "if self._async_train:" in inspect.getsource(CallbackList.on_train_batch_end)
-    assert "and self._executor is None" in inspect.getsource(CallbackList._on_begin)
-    assert "self._executor.submit(fn, *args)" in inspect.getsource(CallbackList._async_dispatch)
-    assert "self._flush_futures()" in inspect.getsource(CallbackList.on_epoch_end)
-    assert "model=None" in inspect.getsource(internals._STATE.originals.get("CallbackList.__init__",
-                                                                            CallbackList.__init__))
-    # a replica without examples: BatchNormalization's batch moments, the hook's seam
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
-    moments = inspect.getsource(internals._STATE.originals.get("BatchNormalization._moments",
-                                                             BatchNormalization._moments))
-    assert "def _moments(self, inputs, mask):" in moments and "synchronized=self.synchronized" in moments
-    assert "mean, variance = self._moments(inputs, mask)" in inspect.getsource(BatchNormalization.call)
-    # clipping after the all-reduce: Keras clips before its TensorFlow optimizer's update step all-reduces
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    apply_source = inspect.getsource(BaseOptimizer._backend_apply_gradients)
-    assert apply_source.count("grads = self._clip_gradients(grads)") == 2
-    assert apply_source.index("self._clip_gradients(grads)") < apply_source.index("self._backend_update_step(")
-    assert "grads_and_vars = self._all_reduce_sum_gradients(grads_and_vars)" in inspect.getsource(
-        TFOptimizer._backend_update_step)
 
 
 def test_fit_makes_one_distributed_iterator():

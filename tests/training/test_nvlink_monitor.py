@@ -469,7 +469,7 @@ def test_strategy_gpus_maps_a_stock_strategys_gpus_by_pci_id(monkeypatch):
     NVML does not know, a GPU-less strategy and a machine without NVML each say why."""
     import types
 
-    from tf_nvlink import internals
+    from tf_nvlink.internals import tf_runtime as internals
     from tf_nvlink.training.nvlink_sampling import strategy_gpus
 
     descs = [("/device:GPU:0", "device: 0, name: NVIDIA H200, pci bus id: 0000:00:07.0, compute capability: 9.0"),

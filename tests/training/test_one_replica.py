@@ -123,7 +123,7 @@ def test_sparse_gradients_are_made_dense_inside_xla_only(tf):
     optimizer hook makes them dense inside XLA, and only there (split mode all-reduces them outside XLA).
     The `tf` fixture: TensorFlow's devices are configured before this test runs a function (later tests in
     the same process, e.g. tests/distribute/test_single_host.py, count on the logical CPUs)."""
-    from tf_nvlink import internals
+    from tf_nvlink.training import optimizer_rules as internals
 
     seen = {}
 

@@ -302,7 +302,7 @@ def test_jit_compile_around_strategy_run_names_the_supported_shape():
 def test_fit_evaluate_predict_of_a_subclassed_train_step_with_steps_per_execution_match_single_device(mode):
     """A subclassed model with its own train_step, steps_per_execution=3 (4 steps per epoch: executions of 3 and
     1), then evaluate and predict: under tf_nvlink with XLA each equals single-device Keras. Fused mode runs the
-    steps unrolled (`internals.unrolled_steps_function`): Keras' multi-step while loop fails in TensorFlow's
+    steps unrolled (`step_assembly.unrolled_steps_function`): Keras' multi-step while loop fails in TensorFlow's
     no-merge_call path, which fused mode takes on GPUs (seen on 2x H200; the emulation here reproduces it)."""
     single = FUSED.result("fit single")
     multi = FUSED.result("fit fused") if mode == "fused" else SPLIT_SLOW.result("fit split")

@@ -21,7 +21,7 @@ import numpy as np
 strategy = two_cpu_strategy(MODE)
 import tensorflow as tf, keras, tf_nvlink
 from tf_nvlink.training import replica_sync
-from tf_nvlink.training import install
+from tf_nvlink.training import per_replica_steps
 N, BATCH, EPOCHS, MOMENTUM = 256, 64, 2, 0.9
 rng = np.random.default_rng(0)
 x = rng.normal(size=(N, 6, 6, 2)).astype("float32")
@@ -29,10 +29,10 @@ for start in range(0, N, BATCH):  # replica 1's half of every global batch: anot
     x[start + BATCH // 2:start + BATCH] = 3.0 + 2.0 * x[start + BATCH // 2:start + BATCH]
 y = rng.integers(0, 3, N).astype("int32")
 made = []
-original_init = install.PerReplicaXlaStep.__init__
+original_init = per_replica_steps.PerReplicaXlaStep.__init__
 def spy(self, *args, **kwargs):
     original_init(self, *args, **kwargs); made.append(self)
-install.PerReplicaXlaStep.__init__ = spy
+per_replica_steps.PerReplicaXlaStep.__init__ = spy
 
 def fit_and_check(jit, synchronized=False):
     made.clear()
@@ -207,31 +207,6 @@ def test_switch_values(monkeypatch):
     monkeypatch.setenv(replica_sync.ENV_SWITCH, "maybe")
     with pytest.raises(ValueError, match="TF_NVLINK_SYNC_NON_TRAINABLE='maybe'"):
         replica_sync.enabled()
-
-
-def test_keras_internals_the_sync_relies_on():
-    """Keras writes BatchNorm statistics with `.assign`, which reaches the TF backend's `_direct_assign`, and
-    creates them non-trainable with aggregation "none"."""
-    import inspect
-
-    import keras
-
-    from tf_nvlink import internals
-    from tf_nvlink.training import replica_sync
-
-    Variable = internals.keras_variable_class()  # moved to keras.src.backend.tensorflow.ops.core in Keras 3.16
-    replica_sync._install_write_recorder()
-
-    original = internals.keras_variable_write_original()
-    assert "self._value.assign" in inspect.getsource(original)
-    assert "self._direct_assign(value)" in inspect.getsource(keras.src.backend.common.variables.Variable.assign)
-    assert Variable._direct_assign is not original  # the recorder is in place
-    assert "self.moving_mean.assign(" in inspect.getsource(keras.layers.BatchNormalization.call)
-    layer = keras.layers.BatchNormalization()
-    layer.build((None, 3))
-    model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dropout(0.1)])
-    assert [v.path for v in replica_sync.state_variables(model)] == [layer.moving_mean.path, layer.moving_variance.path]
-    assert {v.aggregation for v in replica_sync.state_variables(model)} == {"none"}
 
 
 _WORKER = r"""

@@ -32,9 +32,9 @@ def tensorflow_gpus(topology: Topology) -> list[devices_lib.TfGpu]:
         >>> [(g.tf_name, g.nvml_index) for g in tensorflow_gpus(nvml.probe())]
         [('/device:GPU:0', 0), ('/device:GPU:1', 1)]
     """
-    from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow only when asked
+    from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - TensorFlow only when asked
 
-    return devices_lib.map_tf_gpus(topology, internals.tf_gpu_descs())
+    return devices_lib.map_tf_gpus(topology, tf_runtime.tf_gpu_descs())
 
 
 def gather_facts(topology: Topology, *, tensorflow: bool = True,
@@ -91,9 +91,9 @@ def _tensorflow_gpu_count() -> int:
 
 def _nccl_available() -> Optional[bool]:
     try:
-        from tf_nvlink import internals  # noqa: PLC0415
+        from tf_nvlink.internals import tf_runtime  # noqa: PLC0415
 
-        return internals.nccl_kernels_registered()
+        return tf_runtime.nccl_kernels_registered()
     except ImportError:  # TensorFlow's internals missing: unknown, as without TensorFlow
         return None
 

@@ -30,7 +30,7 @@ from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
 
-from tf_nvlink import internals
+from tf_nvlink.internals import tf_runtime
 from tf_nvlink.distribute import base
 from tf_nvlink.distribute.rendezvous import DEFAULT_PEER_TIMEOUT_S, wait_for_peers
 from tf_nvlink.machine import nvml
@@ -171,10 +171,36 @@ class MultiWorkerPlan:
         return record
 
 
-class NVLinkMultiWorkerMirroredStrategy(base.TfNvlinkStrategyMixin, internals.MultiWorkerKerasReduceMixin,
+class MultiWorkerKerasReduceMixin:
+    """`reduce` as Keras 3 calls it on a MultiWorkerMirroredStrategy (put it before the strategy class).
+
+    Why: Keras 3 (3.15 and earlier; keras-team/keras#20585) calls `strategy.reduce` in two ways the stock strategy
+    rejects once there are two or more workers: with a tuple of per-replica batches (`_maybe_symbolic_build`,
+    "Attempt to convert a value (PerReplica...) to a Tensor") and with `axis=0` on per-replica scalars (the
+    logs, in `reduce_per_replica`: "Invalid reduction dimension 0 for input with 0 dimensions"). Here a
+    structure is reduced leaf by leaf, and a scalar across the replicas; every call TensorFlow accepts runs
+    unchanged. GPU collectives refuse int32 ("Collective all-reduce does not support datatype DT_INT32 on
+    DEVICE_GPU"; int32 lives in host memory there), and Keras reduces the integer labels of a batch: int32 is
+    reduced as int64, and so are 8/16-bit integers, which collectives take on no device (uint8 image batches).
+    """
+
+    def reduce(self, reduce_op, value, axis):
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(lambda leaf: self.reduce(reduce_op, leaf, axis), value)
+        shape = getattr(value, "shape", None)
+        if axis is not None and shape is not None and shape.rank == 0:
+            axis = None  # one number per replica: the reduction is across replicas
+        local = self.experimental_local_results(value)
+        if local and getattr(local[0], "dtype", None) in (tf.int32, tf.uint8, tf.int8, tf.int16, tf.uint16):
+            wide = self.run(lambda v: tf.cast(v, tf.int64), args=(value,))
+            return tf.cast(super().reduce(reduce_op, wide, axis), local[0].dtype)
+        return super().reduce(reduce_op, value, axis)
+
+
+class NVLinkMultiWorkerMirroredStrategy(base.TfNvlinkStrategyMixin, MultiWorkerKerasReduceMixin,
                                         tf.distribute.MultiWorkerMirroredStrategy):
     """A `tf.distribute.MultiWorkerMirroredStrategy` that knows its plan (`MultiWorkerPlan`) and lets Keras 3
-    `fit`/`evaluate` run on several workers (`internals.MultiWorkerKerasReduceMixin` says how).
+    `fit`/`evaluate` run on several workers (`MultiWorkerKerasReduceMixin` says how).
 
     `jit_compile=True` models run in tf_nvlink's "split" XLA mode (tf_nvlink.training.install; `build_strategy` puts
     "split" in the plan, and the plan is None only until then, which means "split" too): gradients are computed
@@ -306,7 +332,7 @@ def check_single_host_options(gpus="all", cross_device_ops="auto", num_packs=Non
 
 
 def _check_program_start() -> None:
-    if internals.tensorflow_runtime_started():
+    if tf_runtime.tensorflow_runtime_started():
         raise RuntimeError(
             "MultiWorkerMirroredStrategy must be created at program start, before any TensorFlow op runs: this "
             "process has already started TensorFlow's runtime, so the strategy can no longer start this worker's "
@@ -367,12 +393,12 @@ def _share(cluster: ClusterConfig, key: str, value, timeout_s: float):
     """Publish this worker's JSON-able `value` under `key` in the coordination service's key-value store, then
     yield (worker id, value) for every worker in worker-id order (this worker's own without a round trip), each
     waiting up to `timeout_s` for that worker to publish."""
-    internals.coordination_set(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
+    tf_runtime.coordination_set(f"{_KV_PREFIX}{key}{cluster.worker_id}", json.dumps(value))
     for worker_id in range(cluster.worker_count):
         if worker_id == cluster.worker_id:
             yield worker_id, value
         else:
-            yield worker_id, json.loads(internals.coordination_get(f"{_KV_PREFIX}{key}{worker_id}",
+            yield worker_id, json.loads(tf_runtime.coordination_get(f"{_KV_PREFIX}{key}{worker_id}",
                                                                    int(timeout_s * 1000)))
 
 

@@ -4,13 +4,13 @@ TensorFlow numbers the GPUs CUDA shows it (`CUDA_VISIBLE_DEVICES` filters and re
 of them: with `CUDA_VISIBLE_DEVICES=1,0`, TensorFlow's GPU:0 is NVML's GPU 1. The PCI bus id in device_lib's
 `physical_device_desc` is the one fact both sides share, so that is what we match on (as integers: NVML writes
 `00000000:00:06.0`, TensorFlow `0000:00:06.0`). This module is pure: the descriptions come from
-`tf_nvlink.internals.tf_gpu_descs()`, which its callers (in distribute/ and tools/) pass in.
+`tf_nvlink.internals.tf_runtime.tf_gpu_descs()`, which its callers (in distribute/ and tools/) pass in.
 
 Example:
-    >>> from tf_nvlink import internals
+    >>> from tf_nvlink.internals import tf_runtime
     >>> from tf_nvlink.machine import tf_devices, nvml
     >>> topo = nvml.probe()
-    >>> [(d.tf_name, d.nvml_index) for d in tf_devices.map_tf_gpus(topo, internals.tf_gpu_descs())]
+    >>> [(d.tf_name, d.nvml_index) for d in tf_devices.map_tf_gpus(topo, tf_runtime.tf_gpu_descs())]
     [('/device:GPU:0', 0), ('/device:GPU:1', 1)]
 """
 

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import keras
 
-from tf_nvlink import internals
+from tf_nvlink.internals import callbacks as callback_seams, trainer as trainer_seams
 from tf_nvlink.util import atomic_files
 from tf_nvlink.util.strict_json import strict_loads
 
@@ -88,7 +88,7 @@ def read_backup(directory) -> Optional[Backup]:
     return Backup(epochs_done, weights)
 
 
-class AtomicBackupAndRestore(internals.backup_and_restore_base()):
+class AtomicBackupAndRestore(callback_seams.backup_and_restore_base()):
     """keras.callbacks.BackupAndRestore whose backup is usable whenever the process dies, even by SIGKILL.
 
     Keras rewrites backup/latest.weights.h5 and then training_metadata.json in place: a kill during either write
@@ -115,7 +115,7 @@ class AtomicBackupAndRestore(internals.backup_and_restore_base()):
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)  # so the optimizer's state loads too
         self.model.load_weights(os.path.join(self.backup_dir, backup.weights))
-        internals.set_initial_epoch(self.model, backup.epochs_done)  # what keras.callbacks.BackupAndRestore does
+        trainer_seams.set_initial_epoch(self.model, backup.epochs_done)  # what keras.callbacks.BackupAndRestore does
 
     def save_backup(self, epoch: int, metadata_path: str):
         if not self.write:

@@ -8,7 +8,7 @@ is one XLA program per replica: the N batches go in together, a loop inside XLA 
 last step's logs come out. While one execution runs on the GPU, the host already takes the next execution's
 batches from the input pipeline (their copies to the device overlap the running program).
 
-When it applies (`execution_path(model)` says which path a model takes, and why):
+When it applies (`tf_nvlink.plan.execution.decide_execution`; `execution_path(model)` says which path a model takes, and why):
 - `jit_compile=True`, `steps_per_execution > 1`, not `run_eagerly`;
 - every replica a GPU of one process, and the whole step in XLA: one replica, or `xla_allreduce="fused"`;
   in split mode the all-reduce runs outside XLA (a merge_call), and across workers XLA's all-reduce cannot
@@ -34,19 +34,22 @@ Custom training loops keep one program per `strategy.run` call (`tf_nvlink.train
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from tf_nvlink import internals
+from tf_nvlink.internals import trainer as trainer_seams
 from tf_nvlink.training.exact_batches import with_metrics_across_replicas
+from tf_nvlink.training.execution_mode import COMPILED, PER_STEP, execution_mode
+from tf_nvlink.training.fit_loop import steps_asked_for_this_call
+from tf_nvlink.training.input_staging import check_staged_batches_fit, explained_oom
+from tf_nvlink.training.replica_programs import (ReplicaPrograms, execution_body, next_batches, padded,
+                                                 same_shape_runs, stackable, takes_ahead)
 
 log = logging.getLogger("tf_nvlink")
 
-COMPILED = "compiled"
-PER_STEP = "per-step"
+__all__ = ["COMPILED", "PER_STEP", "CompiledExecution", "execution_path", "steps_asked_for"]
 
 
 def execution_path(model, steps: Optional[int] = None) -> tuple[str, str]:
@@ -57,226 +60,8 @@ def execution_path(model, steps: Optional[int] = None) -> tuple[str, str]:
         >>> execution_path(model)
         ('compiled', '4 steps per execution as one XLA program per replica (fused: all-reduce inside XLA)')
     """
-    strategy = model.distribute_strategy
-    plan = getattr(strategy, "plan", None)
-    steps = model.steps_per_execution if steps is None else steps
-    if plan is None:
-        return PER_STEP, "not under a tf_nvlink strategy: Keras' own loop"
-    if steps <= 1:
-        return PER_STEP, "steps_per_execution=1"
-    if not getattr(plan, "compiled_execution", True):
-        return PER_STEP, "compiled execution turned off: tf_nvlink.strategy(compiled_execution=False)"
-    if not model.jit_compile or model.run_eagerly:
-        return PER_STEP, "the model is not compiled with jit_compile=True (or runs eagerly)"
-    if internals.worker_count(strategy) > 1:
-        return PER_STEP, "several workers: an all-reduce inside XLA cannot span processes"
-    if not internals.fused_allreduce_possible(strategy):
-        return PER_STEP, ("the replicas are not all GPUs: the all-reduce runs outside XLA (split mode), "
-                          "so each step is its own program")
-    replicas = strategy.num_replicas_in_sync
-    if replicas > 1 and strategy.xla_allreduce != "fused":
-        return PER_STEP, "xla_allreduce='split': the all-reduce runs outside XLA, so each step is its own program"
-    where = "one replica" if replicas == 1 else "fused: all-reduce inside XLA"
-    return COMPILED, f"{steps} steps per execution as one XLA program per replica ({where})"
-
-
-def input_depth(model):
-    """Batches `model.fit`/`evaluate` prefetch to each device on the compiled path: N (at least the plan's
-    `input_buffer`), so the copies of an execution's batches run ahead of it; None on the per-step path.
-
-    Example:
-        >>> input_depth(model)     # steps_per_execution=16, compiled
-        16
-    """
-    if execution_path(model)[0] != COMPILED:
-        return None
-    return max(model.steps_per_execution, getattr(model.distribute_strategy.plan, "input_buffer", 0) or 0)
-
-
-class InputStaging(NamedTuple):
-    """How fit's and evaluate's input reaches the compiled execution (`internals.restage_input` applies it):
-    `depth` batches prefetched per replica, `transform` run on the host dataset first, `restore(batch)` giving a
-    staged batch back as the model takes it, and `to_device`: prefetched to the replicas' devices (TensorFlow's
-    prefetch to the GPU) or kept in host memory, the execution's function copying them. `reuse_key` says what the
-    staging depends on besides the dataset: a user's tf.data dataset staged before under the same key is not
-    staged again (its tf.data functions are traced once, not at every fit and every epoch's validation)."""
-
-    depth: int
-    transform: Callable
-    restore: Callable
-    to_device: bool = True
-    reuse_key: Optional[tuple] = None
-
-
-def input_staging(model) -> Optional[InputStaging]:
-    """The `InputStaging` of `model`'s fit/evaluate on the compiled path, else None: `input_depth(model)` batches
-    prefetched to each device, their int32 parts carried as uint32 bits (`int32_as_bits`; `restored_ints` undoes
-    it), copied from pinned host memory (`pinned_batches`). The model's compiled execution can say otherwise:
-    `pinned_input = False` (pageable host memory), `input_to_device = False` (kept on the host; the benchmark
-    compares both), `reuse_staged_input = False` (a tf.data dataset staged anew at every fit and evaluate).
-
-    Example:
-        >>> input_staging(model)     # steps_per_execution=16, compiled
-        InputStaging(depth=16, transform=<function ...>, restore=<function restored_ints ...>, to_device=True,
-                     reuse_key=(16, True, True))
-    """
-    depth = input_depth(model)
-    if depth is None:
-        return None
-    function = getattr(model, "train_function", None)
-    pinned = getattr(function, "pinned_input", True)
-    to_device = getattr(function, "input_to_device", True)
-    return InputStaging(depth, (lambda dataset: pinned_batches(int32_as_bits(dataset))) if pinned else int32_as_bits,
-                        restored_ints, to_device,
-                        reuse_key=(depth, bool(pinned), bool(to_device))
-                        if getattr(function, "reuse_staged_input", True) else None)
-
-
-class Int32Bits(NamedTuple):
-    """An int32 tensor of a batch carried through the compiled execution's input as its uint32 bits.
-
-    Why: TensorFlow keeps int32 tensors in host memory around its functions, so the distributed iterator's
-    prefetch copied each int32 part of a batch (token ids, labels) to the GPU, back to the host and to the GPU
-    again, each device-to-host copy waiting for every kernel queued before it (1x H200, 368M Transformer: 32
-    copies of 16 KiB per execution of 8 steps). A bitcast moves no data; the replica's program bitcasts the bits
-    back. The time between executions did not change measurably (docs/results.md): the prefetch still copies 8
-    bytes per element from the device to the host, which waits the same way."""
-
-    bits: Any
-
-
-def int32_as_bits(dataset):
-    """`dataset` with each int32 part of its elements as `Int32Bits` (uint32); unchanged when it has none or
-    has parts that are not dense tensors (those batches take the per-step path).
-
-    Example:
-        >>> restored_ints(next(iter(int32_as_bits(tf.data.Dataset.from_tensors((x, labels))))))   # (x, labels)
-    """
-    if not _all_dense(dataset) or not any(spec.dtype == tf.int32 for spec in tf.nest.flatten(dataset.element_spec)):
-        return dataset
-    element = _element_from_map_args(dataset.element_spec)
-
-    def as_bits(*parts):
-        return tf.nest.map_structure(
-            lambda t: Int32Bits(tf.bitcast(t, tf.uint32)) if t.dtype == tf.int32 else t, element(*parts))
-
-    return dataset.map(as_bits, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-
-
-def restored_ints(value):
-    """`value` (a batch, or any nest holding one) with every `Int32Bits` bitcast back to its int32 tensor: what the
-    replica's program does first, and what builds the model from a staged batch."""
-    if isinstance(value, Int32Bits):
-        return tf.bitcast(value.bits, tf.int32)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(restored_ints(part) for part in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(restored_ints(part) for part in value)
-    if isinstance(value, dict):
-        return type(value)((key, restored_ints(part)) for key, part in value.items())
-    return value
-
-
-def pinned_batches(dataset):
-    """`dataset` with each dense batch copied into pinned (page-locked) host memory, which the GPU copies from at
-    the link's speed and concurrently with its kernels; a copy from pageable memory ran at 6 GB/s on 1x H200 and
-    did not overlap the compiled execution's program. TensorFlow allocates the output of tf.data's fused
-    map-and-batch in pinned memory on a machine with GPUs (its "GPU compatible" host allocator): each batch goes
-    through one as a batch of one, and the extra dimension is dropped again (a reshape, no copy). Batches with
-    sparse or ragged parts are left as they are.
-
-    Example:
-        >>> distributed = strategy.experimental_distribute_dataset(pinned_batches(dataset))
-    """
-    if not _all_dense(dataset):
-        return dataset
-    staged = dataset.apply(tf.data.experimental.map_and_batch(_element_from_map_args(dataset.element_spec), 1))
-    staged_element = _element_from_map_args(staged.element_spec)
-    return staged.map(lambda *parts: tf.nest.map_structure(lambda t: tf.squeeze(t, 0), staged_element(*parts)))
-
-
-def _all_dense(dataset) -> bool:
-    return all(isinstance(spec, tf.TensorSpec) for spec in tf.nest.flatten(dataset.element_spec))
-
-
-def _element_from_map_args(spec) -> Callable:
-    """The element a `Dataset.map` function receives, rebuilt in the structure `spec` gives it: tf.data hands a
-    plain tuple over as separate arguments and any other element (a tensor, a dict, a namedtuple such as
-    `Int32Bits`) as one."""
-    return lambda *parts: tf.nest.pack_sequence_as(spec, tf.nest.flatten(parts))
-
-
-class StagedBatchesTooLarge(ValueError):
-    """The batches of one execution do not fit on the device: `steps_per_execution` is too large."""
-
-
-def execution_body(step_body: Callable, full: bool) -> Callable:
-    """The Python function one replica compiles for an execution: its batches stacked, and a loop inside the
-    program running `step_body` on each, carrying the last step's outputs (logs). `body(batches)` for a full
-    execution (the loop runs `len(batches)` times, a count XLA knows), `body(batches, count)` for a partial one.
-
-    Example:
-        >>> program = tf.function(execution_body(step.body_for(0), full=True), jit_compile=True)
-        >>> logs = program(batches)          # inside the replica's strategy.run
-    """
-    def execution(batches, count):
-        stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
-        def body(index, _):
-            return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
-
-        return _loop(count, body, lambda: _carried_start(step_body, stacked), len(batches))
-
-    if full:
-        return lambda batches: execution(batches, len(batches))
-    return execution
-
-
-class ReplicaPrograms:
-    """One compiled program per replica and kind of execution, run by `strategy.run`: `make_body(replica_id,
-    full)` gives the Python function a replica compiles, called as `body(batches)` for a full execution (its
-    loop count, `len(batches)`, known to XLA) and `body(batches, count)` for a partial one (a tensor count).
-    The batches' `Int32Bits` parts reach the body as int32 (`restored_ints`).
-
-    Example:
-        >>> programs = ReplicaPrograms(strategy, lambda replica_id, full: execution_body)
-        >>> per_replica_outputs = programs.run(batches)            # a full execution, inside a tf.function
-    """
-
-    def __init__(self, strategy, make_body: Callable[[int, bool], Callable]):
-        self.strategy, self.make_body = strategy, make_body
-        self._programs: dict[tuple[int, bool], Any] = {}  # (replica, full) -> its tf.function
-        self._lock = threading.Lock()
-
-    def program_for(self, replica_id: int, full: bool):
-        """The replica's tf.function for a full (True) or a partial execution, made on first use."""
-        with self._lock:
-            if (replica_id, full) not in self._programs:
-                body = self.make_body(replica_id, full)
-                self._programs[(replica_id, full)] = tf.function(
-                    lambda batches, *count: body(tuple(restored_ints(batch) for batch in batches), *count),
-                    jit_compile=internals.per_replica_jit_compile(), autograph=False)
-            return self._programs[(replica_id, full)]
-
-    def run(self, batches, count=None):
-        """Each replica's program on its share of `batches`: a full execution when `count` is None."""
-        if count is None:
-            return self.strategy.run(lambda b: self.program_for(internals.replica_id(), True)(b), args=(batches,))
-        return self.strategy.run(lambda b, c: self.program_for(internals.replica_id(), False)(b, c),
-                                 args=(batches, count))
-
-    def traced(self) -> dict[str, list[int]]:
-        """How many programs each replica traced, for full executions and for partial ones (one per batch shape).
-
-        Example:
-            >>> model.train_function.programs.traced()     # 2 replicas, a short last batch
-            {'full': [1, 1], 'partial': [1, 1]}
-        """
-        with self._lock:
-            programs = dict(self._programs)
-        replicas = sorted({replica for replica, _ in programs})
-        return {kind: [programs[(r, full)].experimental_get_tracing_count() if (r, full) in programs else 0
-                       for r in replicas]
-                for kind, full in (("full", True), ("partial", False))}
+    mode = execution_mode(model, steps)
+    return mode.path, mode.reason
 
 
 class CompiledExecution:
@@ -311,12 +96,12 @@ class CompiledExecution:
         self._ahead_of: Callable[[], Any] = lambda: None
         self._checked_memory = False
         self._outer = tf.function(
-            lambda batches, count=None: internals.reduce_step_outputs(self.programs.run(batches, count),
+            lambda batches, count=None: trainer_seams.reduce_step_outputs(self.programs.run(batches, count),
                                                                       self.strategy), autograph=False)
         # A full execution that also copies the next execution's host batches to the replicas' devices: the
         # copies are not inputs of the program, so they run beside it instead of before it.
         self._outer_copying_ahead = tf.function(
-            lambda batches, ahead: (internals.reduce_step_outputs(self.programs.run(batches), self.strategy),
+            lambda batches, ahead: (trainer_seams.reduce_step_outputs(self.programs.run(batches), self.strategy),
                                     self._on_replicas(ahead)), autograph=False)
 
     # ---- the host side: batches in, executions out -----------------------------------------------------------
@@ -344,12 +129,12 @@ class CompiledExecution:
     def _copy_ahead(self, iterator) -> Optional[tuple]:
         """The next execution's host batches when the execution about to launch should copy them to the devices
         (host input, N batches of one shape that stack), else None."""
-        if self.input_to_device or not _takes_ahead(iterator):
+        if self.input_to_device or not takes_ahead(iterator):
             return None
         self._take_ahead(iterator)
         ahead = self._taken_ahead
-        if len(ahead) != self.steps or len(_same_shape_runs(ahead, self.strategy)) != 1 \
-                or not all(_stackable(batch, self.strategy) for batch in ahead):
+        if len(ahead) != self.steps or len(same_shape_runs(ahead, self.strategy)) != 1 \
+                or not all(stackable(batch, self.strategy) for batch in ahead):
             return None
         return tuple(ahead)
 
@@ -358,7 +143,7 @@ class CompiledExecution:
         return self.strategy.run(lambda *local: tf.nest.map_structure(tf.identity, local), args=batches)
 
     def __call__(self, iterator):
-        count = internals.steps_asked_for_this_call(self.steps)
+        count = steps_asked_for_this_call(self.steps)
         batches, error = self._take(iterator, count)
         outputs = self._execute(iterator, batches, take_ahead=error is None) if batches else None
         if error is not None:
@@ -371,16 +156,15 @@ class CompiledExecution:
 
     def _execute(self, iterator, batches: list, take_ahead: bool):
         outputs = None
-        for group in _same_shape_runs(batches, self.strategy):
-            if not all(_stackable(batch, self.strategy) for batch in group):
+        for group in same_shape_runs(batches, self.strategy):
+            if not all(stackable(batch, self.strategy) for batch in group):
                 for batch in group:
                     outputs = self.one_step(batch)
                 continue
             self._check_memory(group[0])
-            with _explained_oom(self, group[0]):
-                if len(group) < self.steps:  # never run: the count says so
-                    padded = tuple(group) + (group[-1],) * (self.steps - len(group))
-                    outputs = self._outer(padded, tf.constant(len(group), tf.int32))
+            with explained_oom(self, group[0]):
+                if len(group) < self.steps:  # the batches filled in are never run: the count says so
+                    outputs = self._outer(padded(group, self.steps), tf.constant(len(group), tf.int32))
                 elif (ahead := self._copy_ahead(iterator)) is not None:
                     outputs, staged = self._outer_copying_ahead(tuple(group), ahead)
                     self._taken_ahead[:] = staged  # strategy.run gives back the tuple of N batches, on the devices
@@ -388,113 +172,14 @@ class CompiledExecution:
                 else:
                     outputs = self._outer(tuple(group))
             self.programs_run += 1
-        if take_ahead and _takes_ahead(iterator):
+        if take_ahead and takes_ahead(iterator):
             self._take_ahead(iterator)
         return outputs
 
-    def staged_bytes(self, batch) -> int:
-        """Device bytes the input stages per replica: the execution's N batches and their stacked copy, the next
-        execution's N taken ahead, and the batches prefetched (`input_depth`, N unless `input_buffer` is more)."""
-        depth = input_depth(self.model) or self.steps
-        return (3 * self.steps + depth) * batch_bytes_per_replica(batch, self.strategy)
-
     def _check_memory(self, batch) -> None:
-        if self._checked_memory:
-            return
-        self._checked_memory = True
-        needed = self.staged_bytes(batch)
-        for device in self.strategy.extended.worker_devices:
-            free = internals.device_bytes_free(device)
-            if free is not None and needed > free:
-                raise StagedBatchesTooLarge(_too_large_text(self.steps, needed, device, free))
-
-
-def _too_large_text(steps: int, needed: int, device: str, free: Optional[int]) -> str:
-    where = f"{device} has {_size_text(free)} free" if free is not None else f"{device} ran out of memory"
-    return (f"steps_per_execution={steps} stages {steps} batches on each replica's device at once, "
-            f"{_size_text(needed)} per replica with their stacked copy and the next executions' batches, and "
-            f"{where}. "
-            f"Compile with a smaller steps_per_execution (e.g. {max(1, steps // 2)}), a smaller batch, or "
-            f"tf_nvlink.strategy(compiled_execution=False) to run the steps one program each.")
-
-
-def _size_text(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB ({size} bytes)"
-
-
-class _explained_oom:
-    def __init__(self, execution: CompiledExecution, batch):
-        self.execution, self.batch = execution, batch
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if kind is not None and issubclass(kind, tf.errors.ResourceExhaustedError) \
-                and self.execution.programs_run == 0:
-            raise StagedBatchesTooLarge(_too_large_text(
-                self.execution.steps, self.execution.staged_bytes(self.batch), "the device", None)
-                + f" TensorFlow said: {str(error).splitlines()[0]}") from error
-        return False
-
-
-def batch_bytes_per_replica(batch, strategy) -> int:
-    """The largest replica's bytes of one distributed batch.
-
-    Example:
-        >>> batch_bytes_per_replica(next(iter(strategy.experimental_distribute_dataset(dataset))), strategy)
-        12845056
-    """
-    per_replica = [0] * strategy.num_replicas_in_sync
-    for leaf in tf.nest.flatten(batch):
-        for replica, tensor in enumerate(strategy.experimental_local_results(leaf)):
-            per_replica[replica] += int(tf.size(tensor)) * tensor.dtype.size
-    return max(per_replica)
-
-
-def _carried_start(step_fn: Callable, stacked) -> tuple:
-    """(zeros, shapes) of the outputs `step_fn` gives for one of the `stacked` batches, from a trace that is never
-    run: what a loop carries from step to step starts as those zeros."""
-    first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
-    spec = tf.function(step_fn, autograph=False).get_concrete_function(first).structured_outputs
-    return tf.nest.map_structure(_zeros_like_spec, spec), tf.nest.map_structure(lambda leaf: leaf.shape, spec)
-
-
-def _loop(count, body: Callable, carried_start: Callable[[], tuple], most: int):
-    """`body` run `count` times inside the replica's program: an XLA while loop.
-
-    `body(index, carried)` returns (index + 1, the new carried outputs); `carried_start()` gives (the first
-    carried outputs, their shapes), called only where a loop needs them (the unrolled full loop of the CPU
-    emulation starts from None instead).
-
-    `count` is a Python int for a full execution: the loop's bound is then a constant, XLA knows the trip count
-    and its GPU runtime launches the iterations back to back. A tensor `count` (at most `most`, a partial
-    execution) is read by the loop condition, which XLA evaluates on the device and copies to the host after
-    every iteration, waiting for the GPU each time.
-
-    Without XLA (tests' CPU emulation of fused mode) the loop is unrolled (`most` conds for a tensor count):
-    TensorFlow's own collectives (the CPU stand-in for the all-reduce XLA compiles) hang when one replica's while
-    loop launches the same collective again (seen with 2 CPU replicas), while XLA runs its all-reduce in a loop
-    natively."""
-    known = isinstance(count, int)
-    if internals.per_replica_jit_compile():
-        start, invariants = carried_start()
-        return tf.while_loop(lambda index, _: index < count, body, (tf.constant(0), start),
-                             shape_invariants=(tf.TensorShape([]), invariants),
-                             maximum_iterations=None if known else most)[1]
-    outputs = None if known else carried_start()[0]
-    for index in range(count if known else most):
-        if known:
-            outputs = body(tf.constant(index), outputs)[1]
-        else:
-            outputs = tf.cond(index < count, lambda index=index: body(tf.constant(index), outputs)[1],
-                              lambda: outputs)
-    return outputs
-
-
-def _zeros_like_spec(spec):
-    return tf.zeros([0 if dim is None else dim for dim in spec.shape.as_list()], spec.dtype) \
-        if spec.shape.rank is not None else tf.zeros([], spec.dtype)
+        if not self._checked_memory:
+            self._checked_memory = True
+            check_staged_batches_fit(self.model, self.steps, batch)
 
 
 def _weak(value, on_release: Callable[[], None]) -> Callable[[], Any]:
@@ -504,62 +189,6 @@ def _weak(value, on_release: Callable[[], None]) -> Callable[[], Any]:
         return weakref.ref(value, lambda _: on_release())
     except TypeError:
         return lambda: value
-
-
-def _takes_ahead(iterator) -> bool:
-    """Only a tf.data or distributed iterator is read ahead (a Python iterator of the user's may have effects)."""
-    return isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
-
-
-def _next_or_none(iterator):
-    try:
-        return next(iterator)
-    except (StopIteration, tf.errors.OutOfRangeError):
-        return None
-
-
-def next_batches(iterator, count: int, batches: Optional[list] = None) -> tuple[list, Optional[Exception]]:
-    """(`batches` extended from `iterator` to `count`, or to the input's end; the error the input raised, if it
-    raised one first). The caller runs the batches taken before the error, then raises it: Keras' own loop runs
-    the steps before a bad batch.
-
-    Example:
-        >>> batches, error = next_batches(iterator, model.steps_per_execution)
-    """
-    batches = [] if batches is None else batches
-    while len(batches) < count:
-        try:
-            batches.append(next(iterator))
-        except (StopIteration, tf.errors.OutOfRangeError):
-            break
-        except Exception as error:  # noqa: BLE001 - the input's own error, raised by the caller in turn
-            return batches, error
-    return batches, None
-
-
-def _signature(batch, strategy) -> tuple:
-    return tuple((tuple(tensor.shape), tensor.dtype.name) if hasattr(tensor, "shape") else (type(tensor).__name__,)
-                 for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
-
-
-def _same_shape_runs(batches: list, strategy) -> list[list]:
-    """Consecutive batches of one shape signature together (a short last batch starts its own run)."""
-    runs: list[list] = []
-    previous = None
-    for batch in batches:
-        signature = _signature(batch, strategy)
-        if runs and signature == previous:
-            runs[-1].append(batch)
-        else:
-            runs.append([batch])
-        previous = signature
-    return runs
-
-
-def _stackable(batch, strategy) -> bool:
-    """Dense tensors only: sparse, ragged and optional values take the per-step path."""
-    return all(isinstance(tensor, tf.Tensor)  # a SparseTensor, RaggedTensor or Optional is no tf.Tensor
-               for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
 
 
 def steps_asked_for(model, function: Callable, one_step: Callable) -> Callable:
@@ -576,7 +205,7 @@ def steps_asked_for(model, function: Callable, one_step: Callable) -> Callable:
         return with_metrics_across_replicas(model, _steps(iterator))
 
     def _steps(iterator):
-        count = internals.steps_asked_for_this_call(steps)
+        count = steps_asked_for_this_call(steps)
         if count >= steps:
             return function(iterator)
         batches, error = next_batches(iterator, count)

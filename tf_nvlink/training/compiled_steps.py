@@ -27,10 +27,11 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from tf_nvlink import internals
 from tf_nvlink.distribute import base
-from tf_nvlink.training.compiled_execution import (ReplicaPrograms, _carried_start, _loop, _next_or_none, _signature,
-                                                     _stackable)
+from tf_nvlink.internals import tf_runtime
+from tf_nvlink.training.optimizer_rules import optimizer_calls
+from tf_nvlink.training.replica_programs import (ReplicaPrograms, carried_start, next_batches, padded, signature,
+                                                 stackable, steps_loop)
 
 
 class CompiledSteps:
@@ -51,7 +52,7 @@ class CompiledSteps:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps should be a positive integer (batches per call). Received: steps={steps!r}")
         self.strategy, self.step, self.steps = strategy, step, steps
-        jit = internals.jit_tf_function(step)
+        jit = tf_runtime.jit_tf_function(step)
         self.python_function = jit[1] if jit else step
         self.autograph = jit[2] if jit else True
         self.mode = runner.custom_loop_mode  # "fused": one program; "split": one strategy.run per step
@@ -68,14 +69,14 @@ class CompiledSteps:
         batches = self._take(iterator)
         if not batches:
             return None, 0
-        if self.mode != "fused" or not all(_stackable(batch, self.strategy) for batch in batches):
+        if self.mode != "fused" or not all(stackable(batch, self.strategy) for batch in batches):
             return self._one_at_a_time(tuple(batches)), len(batches)
         try:
             if len(batches) == self.steps:  # the loop's trip count is known to XLA
                 outputs = self._outer(tuple(batches))
             else:
-                padded = tuple(batches) + (batches[-1],) * (self.steps - len(batches))  # never run: count says so
-                outputs = self._outer(padded, tf.constant(len(batches), tf.int32))
+                outputs = self._outer(padded(batches, self.steps),  # the batches filled in never run
+                                      tf.constant(len(batches), tf.int32))
         except Exception as error:  # AutoGraph may re-raise a copy of tf_nvlink's error: matched by its text
             if "is not built yet" not in str(error):
                 raise
@@ -88,10 +89,13 @@ class CompiledSteps:
     def _take(self, iterator) -> list:
         batches, self._held = self._held, []
         while len(batches) < self.steps:
-            batch = _next_or_none(iterator)
-            if batch is None:
+            taken, error = next_batches(iterator, 1)
+            if error is not None:
+                raise error
+            if not taken:
                 break
-            if batches and _signature(batch, self.strategy) != _signature(batches[0], self.strategy):
+            batch = taken[0]
+            if batches and signature(batch, self.strategy) != signature(batches[0], self.strategy):
                 self._held = [batch]
                 break
             batches.append(batch)
@@ -119,11 +123,11 @@ class CompiledSteps:
         stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
 
         def one(batch):
-            with internals.optimizer_calls("replica_local"):  # the step counters per replica, as fit's fused step
+            with optimizer_calls("replica_local"):  # the step counters per replica, as fit's fused step
                 return self._call_step(step, batch)
 
         def body(index, total):  # the loop carries the outputs' sum (None before the first step, unrolled)
             outputs = one(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
             return index + 1, outputs if total is None else tf.nest.map_structure(tf.add, total, outputs)
 
-        return _loop(count, body, lambda: _carried_start(one, stacked), len(batches))
+        return steps_loop(count, body, lambda: carried_start(one, stacked), len(batches))

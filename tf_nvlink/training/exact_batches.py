@@ -20,15 +20,21 @@ Custom training loops: `average_loss(per_example_loss)` is the same rule for a u
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
 from typing import Callable
 
 import tensorflow as tf
 
-from tf_nvlink.internals import cross_replica_sum_impossible_here, loss_share_while_tracing
+from tf_nvlink.distribute import base
+from tf_nvlink.internals import tf_runtime
+from tf_nvlink.training import thread_state
 
-__all__ = ["average_loss", "examples_in", "open_batch_dimension", "replica_share", "replica_shares",
-           "split_over_replicas", "weighted_by_examples", "with_metrics_across_replicas"]
+__all__ = ["average_loss", "examples_in", "loss_share_while_tracing", "open_batch_dimension", "replica_share",
+           "replica_shares", "split_over_replicas", "weighted_by_examples", "with_metrics_across_replicas"]
+
+log = logging.getLogger("tf_nvlink")
 
 
 def examples_in(data) -> tf.Tensor:
@@ -151,7 +157,7 @@ def replica_shares(data) -> tuple:
     The weight share is the scale of a `reduction="mean_with_sample_weight"` loss, whose divisor is the sum of the
     weights, as the example share is of the other reductions'. With one weight tensor per output (a model with
     several outputs) no single share is right for every output: the weight share is None, and such a loss gets
-    the example share and a warning (`internals.loss_share_while_tracing`).
+    the example share and a warning (`loss_share_while_tracing`).
 
     Example:
         >>> shares = strategy.run(replica_shares, args=(batch,))
@@ -218,7 +224,7 @@ def average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
         local = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            if cross_replica_sum_impossible_here():
+            if tf_runtime.in_xla_context() and tf_runtime.uses_merge_call(tf.distribute.get_strategy()):
                 raise ValueError(
                     "tf_nvlink.average_loss(per_example_loss) all-reduces the replicas' example counts, which a "
                     "jit_compile=True step in split mode (CPU replicas, or xla_allreduce='split') cannot do inside "
@@ -228,3 +234,106 @@ def average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
         else:
             global_batch_size = local
     return tf.math.divide_no_nan(total, tf.cast(global_batch_size, per_example_loss.dtype))
+
+
+# ---- the rules the loss and layer seams call (tf_nvlink.internals.losses, tf_nvlink.internals.layers) ----------
+
+
+@contextlib.contextmanager
+def loss_share_while_tracing(share, weight_share=None):
+    """While one replica's train step is traced: Keras scales that replica's mean loss by `share` (a float32
+    scalar tensor, the replica's examples over the global batch's) instead of 1/num_replicas, and a
+    `reduction="mean_with_sample_weight"` loss (divided by the replica's sum of sample weights) by `weight_share`
+    (the replica's sample weights over the step's; default `share`).
+
+    Why: Keras 3 scales every replica's mean loss by 1/num_replicas in `scale_loss_for_distribution` (the compiled
+    loss, the regularisation losses) and undoes it for the logged loss with `unscale_loss_for_distribution`; with
+    a last batch split 1 + 0 the step's gradient is then half the single-device one. `weight_share=None` means the
+    step's weights have no single share (one tensor per output): such a loss takes `share` and a warning is logged.
+
+    Example:
+        >>> with loss_share_while_tracing(*replica_shares(data)):
+        ...     logs = model.train_step(data)
+    """
+    with thread_state.setting(loss_share=share, weight_share=share if weight_share is None else weight_share,
+                              weight_share_unknown=weight_share is None):
+        yield
+
+
+def scale_loss(value, keras_scale: Callable):
+    """Keras' per-replica loss scale: the replica's share while its step is traced, else Keras' 1/num_replicas."""
+    share = thread_state.current().loss_share
+    if share is None:
+        return keras_scale(value)
+    return value * tf.cast(share, value.dtype)
+
+
+def unscale_loss(value, keras_unscale: Callable):
+    """The logged loss unscaled by the same share (a replica with 0 examples logs 0)."""
+    share = thread_state.current().loss_share
+    if share is None:
+        return keras_unscale(value)
+    return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
+
+
+_WARNED_PER_OUTPUT_WEIGHTS: list = []  # one warning per process
+
+
+def reduce_values(values, sample_weight, reduction, keras_reduce: Callable):
+    """Keras' weighted reduction of a loss: an empty replica's loss reduces to 0 (with a gradient of zeros; Keras
+    returns the empty array itself), and "mean_with_sample_weight" with weights is scaled by the replica's share of
+    the weights (its divisor is the replica's weights)."""
+    state = thread_state.current()
+    if state.loss_share is not None and reduction not in (None, "none") and tuple(values.shape) == (0,):
+        return tf.reduce_sum(values)
+    if state.weight_share is None or reduction != "mean_with_sample_weight" or sample_weight is None:
+        return keras_reduce(values, sample_weight, reduction)
+    if state.weight_share_unknown and not _WARNED_PER_OUTPUT_WEIGHTS:
+        _WARNED_PER_OUTPUT_WEIGHTS.append(True)
+        log.warning("tf_nvlink: a reduction='mean_with_sample_weight' loss of a model with several outputs, "
+                    "given sample weights: each replica's loss is scaled by its share of the examples, not "
+                    "of the weights, so steps whose weights are uneven across the replicas differ from one "
+                    "device. Use the default reduction (sum_over_batch_size) to train exactly as on one "
+                    "device.")
+    with thread_state.setting(loss_share=state.weight_share):  # its divisor is the replica's weights
+        return keras_reduce(values, sample_weight, reduction)
+
+
+def compile_loss_call(compile_loss, keras_call: Callable):
+    """A compiled loss's call while a replica's step is traced: its per-output loss metrics count by the share
+    (`mean_update_state`)."""
+    if thread_state.current().loss_share is None:
+        return keras_call()
+    with thread_state.setting(compile_loss=compile_loss):  # its metrics exist once it is built
+        return keras_call()
+
+
+def mean_update_state(metric, values, sample_weight, keras_update: Callable):
+    """A `Mean` metric's update. For a model with several outputs Keras keeps one `Mean` per output loss and updates
+    it in `CompileLoss.call` with the STATIC batch size, None when batches vary in size: every replica then counts
+    the step once, the replica without examples too, so a 1 + 0 step enters `<output>_loss` at half its value.
+    While a replica's step is traced, such an update is weighted by the replica's share of the step's examples
+    instead: the replicas add up to one count per step, and a replica without examples adds nothing."""
+    state = thread_state.current()
+    if sample_weight is None and state.loss_share is not None and state.compile_loss is not None \
+            and any(owned is metric for owned in state.compile_loss.metrics):
+        sample_weight = tf.cast(state.loss_share, metric.dtype)  # replicas' shares add up to 1: the step counts once
+    return keras_update(sample_weight)
+
+
+def batch_norm_moments(layer, inputs, mask, keras_moments: Callable):
+    """BatchNormalization's batch moments. A step whose global batch leaves a replica without examples (65
+    examples at batch_size=32 on 2 replicas: 1 + 0) has that replica compute its batch mean and variance over
+    nothing, 0 / 0 = NaN; the NaN reaches the moving statistics and, through the replica sync, every replica (stock
+    MirroredStrategy does the same). Under a multi-replica tf_nvlink strategy an empty batch's moments are 0
+    instead, selected with `tf.where` (a batch with examples gets Keras' own values, bit for bit); its
+    moving-statistics update then counts for nothing in the sync, which weights replicas by their examples.
+    `synchronized=True` and masked inputs already divide by a count that cannot be 0."""
+    mean, variance = keras_moments()
+    context = tf.distribute.get_replica_context()
+    if mask is not None or layer.synchronized or context is None or context.num_replicas_in_sync < 2 \
+            or not base.is_tf_nvlink_strategy(tf.distribute.get_strategy()):
+        return mean, variance
+    has_examples = tf.size(inputs) > 0
+    return (tf.where(has_examples, mean, tf.zeros_like(mean)),
+            tf.where(has_examples, variance, tf.zeros_like(variance)))

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import keras
 
-from tf_nvlink import internals
+from tf_nvlink.internals import callbacks as callback_seams
 from tf_nvlink.machine.nvlink_traffic import (expected_allreduce_bytes, gradient_bytes, per_gpu_bytes, per_gpu_gbps,
                                               traffic_delta, unreadable_reasons, verdict)
 from tf_nvlink.machine.nvml import NvLinkCounterReader
@@ -89,7 +89,7 @@ class NVLinkMonitor(keras.callbacks.Callback):
         self.history, self.read_seconds, self.batch_gbps, self._said_verdict = [], [], [], False
         self.background_read_seconds, self.skipped_reads = [], 0
         self._epoch = self._batches = self._global_batch = 0
-        log_dir = self.log_dir or internals.tensorboard_log_dir_beside(self)
+        log_dir = self.log_dir or callback_seams.tensorboard_log_dir_beside(self)
         why = self._start()
         if why:
             self.unavailable = why

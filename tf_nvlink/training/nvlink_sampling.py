@@ -22,10 +22,10 @@ from tf_nvlink.machine.nvml import NvLinkCounterReader
 log = logging.getLogger("tf_nvlink")
 
 
-def _internals():
-    from tf_nvlink import internals  # noqa: PLC0415 - imports TensorFlow: only once the callback runs
+def _tf_runtime():
+    from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - imports TensorFlow: only once the callback runs
 
-    return internals
+    return tf_runtime
 
 
 class EpochTraffic(NamedTuple):
@@ -61,7 +61,7 @@ def strategy_gpus(strategy: Any, nvml: Any = None) -> tuple[Optional[tuple[int, 
     topology = nvml_module.probe(nvml)
     if topology.error:
         return None, topology.error
-    mapped = tf_devices.map_tf_gpus(topology, _internals().tf_gpu_descs())
+    mapped = tf_devices.map_tf_gpus(topology, _tf_runtime().tf_gpu_descs())
     by_tf_index = {gpu.tf_index: gpu.nvml_index for gpu in mapped}
     indices = []
     for name in gpu_names:

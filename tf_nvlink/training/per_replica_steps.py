@@ -3,29 +3,19 @@
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable
+import contextlib
+from typing import Callable
 
 import tensorflow as tf
 
-from tf_nvlink import internals
-from tf_nvlink.internals import (OptimizerNotBuiltWhileTracing, UnsupportedKerasError, build_optimizer,
-                                 loss_share_while_tracing, merge_call_explained, only_first_replica_variables,
-                                 optimizer_calls, replica_local)
-from tf_nvlink.training.exact_batches import open_batch_dimension, replica_shares, weighted_by_examples
-
-
-def all_reduces_in_program(strategy) -> bool:
-    """Whether a per-replica step's all-reduces (the gradients', the example count's, synchronized BatchNorm's) run
-    inside each replica's XLA program, without merge_call (GPUs only: TensorFlow skips merge_call under XLA there;
-    fused mode, or one GPU), or outside it (split mode).
-
-    Example:
-        >>> all_reduces_in_program(tf_nvlink.strategy())     # 2 GPUs, fused
-        True
-    """
-    whole_step = strategy.xla_allreduce == "fused" or strategy.num_replicas_in_sync == 1  # one: no all-reduce
-    return internals.fused_allreduce_possible(strategy) and whole_step
+from tf_nvlink.internals import optimizer as optimizer_seams
+from tf_nvlink.internals.registry import UnsupportedKerasError
+from tf_nvlink.training.exact_batches import (loss_share_while_tracing, open_batch_dimension, replica_shares,
+                                              weighted_by_examples)
+from tf_nvlink.training.execution_mode import all_reduces_in_program
+from tf_nvlink.training.optimizer_rules import (OptimizerNotBuiltWhileTracing, build_optimizer, optimizer_calls,
+                                                replica_local_counters)
+from tf_nvlink.training.replica_programs import PerReplicaFunctions, replica_id
 
 
 class PerReplicaXlaStep:
@@ -40,9 +30,8 @@ class PerReplicaXlaStep:
         self.model = model
         self.step_function = step_function
         self.kind = kind
-        self._compiled: dict[int, Any] = {}
+        self.compiled = PerReplicaFunctions(self.body_for, reduce_retracing=True, autograph=False)  # per replica
         self._updates: dict[int, list] = {}  # replica -> [(optimizer, variables)] of the caught updates
-        self._lock = threading.Lock()
 
     @property
     def _all_reduces_in_program(self) -> bool:
@@ -59,7 +48,7 @@ class PerReplicaXlaStep:
 
         def body(data):
             shares = replica_shares(data)  # in this replica's XLA program, as the gradients' all-reduce
-            with replica_local(only_first_replica_variables(optimizer)), loss_share_while_tracing(*shares):
+            with replica_local_counters(optimizer), loss_share_while_tracing(*shares):
                 return step_function(data)  # the apply hook agrees on finite
 
         return body
@@ -93,14 +82,6 @@ class PerReplicaXlaStep:
 
         return checked
 
-    def _compiled_for(self, replica_id: int):
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self.body_for(replica_id),
-                                                         jit_compile=internals.per_replica_jit_compile(),
-                                                         reduce_retracing=True, autograph=False)
-            return self._compiled[replica_id]
-
     def _train_body(self, replica_id: int) -> Callable:
         def body(data, shares):
             with optimizer_calls("catch") as caught, loss_share_while_tracing(*shares):
@@ -113,7 +94,7 @@ class PerReplicaXlaStep:
             updates, grads = [], []
             for optimizer, call_grads, variables in caught:
                 variables = list(variables if variables is not None
-                                 else internals.optimizer_trainable_variables(optimizer))
+                                 else optimizer_seams.optimizer_trainable_variables(optimizer))
                 kept = [i for i, g in enumerate(call_grads) if g is not None]
                 updates.append((optimizer, [variables[i] for i in kept]))
                 grads.append([call_grads[i] for i in kept])
@@ -123,8 +104,8 @@ class PerReplicaXlaStep:
         return body
 
     def __call__(self, data):
-        replica_id = internals.replica_id()
-        compiled = self._compiled_for(replica_id)
+        replica = replica_id()
+        compiled = self.compiled(replica)
         if self.kind != "train" and not self._all_reduces_in_program:
             return compiled(data, replica_shares(data))  # the shares' all-reduce outside XLA (merge_call)
         if self.fused:
@@ -132,7 +113,7 @@ class PerReplicaXlaStep:
         shares = replica_shares(data)  # outside XLA: split mode all-reduces through merge_call
         with merge_call_explained():
             logs, grads = compiled(data, shares)
-        for (optimizer, variables), call_grads in zip(self._updates[replica_id], grads):
+        for (optimizer, variables), call_grads in zip(self._updates[replica], grads):
             if variables:
                 # Outside XLA: all-reduce through the strategy's cross-device ops, then the update.
                 optimizer.apply(call_grads, variables)
@@ -183,10 +164,9 @@ class PerReplicaCustomStep:
         self.python_function = python_function
         self.mode = mode
         self.autograph = autograph
-        self._compiled: dict[int, Any] = {}
+        self.compiled = PerReplicaFunctions(self._body, reduce_retracing=True, autograph=autograph)  # per replica
         self._updates: dict[int, list] = {}  # replica -> [(optimizer, variables or None)] of the traced calls
         self._unbuilt: dict[int, tuple] = {}  # replica -> (optimizer, variables) that stopped its last trace
-        self._lock = threading.Lock()
 
     def _body(self, replica_id: int) -> Callable:
         python_function = self.python_function
@@ -229,18 +209,10 @@ class PerReplicaCustomStep:
 
         return split
 
-    def _compiled_for(self, replica_id: int):
-        with self._lock:
-            if replica_id not in self._compiled:
-                self._compiled[replica_id] = tf.function(self._body(replica_id),
-                                                         jit_compile=internals.per_replica_jit_compile(),
-                                                         reduce_retracing=True, autograph=self.autograph)
-            return self._compiled[replica_id]
-
     def __call__(self, *args, **kwargs):
-        replica_id = internals.replica_id()
+        replica = replica_id()
         while True:
-            compiled = self._compiled_for(replica_id)
+            compiled = self.compiled(replica)
             try:
                 if self.mode == "fused":
                     return compiled(*args, **kwargs)
@@ -248,10 +220,9 @@ class PerReplicaCustomStep:
                     outputs, grads = compiled(*args, **kwargs)
                 break
             except OptimizerNotBuiltWhileTracing:  # build it here, outside the step, and trace again
-                build_optimizer(*self._unbuilt.pop(replica_id))
-                with self._lock:
-                    self._compiled.pop(replica_id, None)
-        for (optimizer, variables), call_grads in zip(self._updates.get(replica_id, ()), grads):
+                build_optimizer(*self._unbuilt.pop(replica))
+                self.compiled.forget(replica)
+        for (optimizer, variables), call_grads in zip(self._updates.get(replica, ()), grads):
             # Outside XLA: the optimizer all-reduces through the strategy's cross-device ops, then updates.
             optimizer.apply(call_grads, variables)
         return outputs
@@ -261,3 +232,24 @@ def _same_updates(a: list, b: list) -> bool:
     return len(a) == len(b) and all(
         oa is ob and (va is None) == (vb is None) and (va is None or [id(v) for v in va] == [id(v) for v in vb])
         for (oa, va), (ob, vb) in zip(a, b))
+
+
+class CrossReplicaCallInXlaError(ValueError):
+    """A split-mode step (XLA per replica, all-reduce outside) asked for a cross-replica merge inside XLA."""
+
+
+@contextlib.contextmanager
+def merge_call_explained():
+    """TensorFlow's "merge_call called while defining a new graph" in a split-mode step, said in tf_nvlink's terms."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        raise CrossReplicaCallInXlaError(
+            "A jit_compile=True step running in tf_nvlink's split mode (CPU replicas, or xla_allreduce='split') "
+            "asked for a cross-replica merge inside XLA, which split mode cannot hold: "
+            "keras.layers.BatchNormalization(synchronized=True), tf.distribute.get_replica_context().all_reduce() "
+            "or merge_call() in the step. Use synchronized=False (or move the all-reduce out of the jit step), "
+            "fused mode (all-GPU replicas: tf_nvlink.strategy(xla_allreduce='fused')), or jit_compile=False. "
+            f"TensorFlow said: {error}") from error

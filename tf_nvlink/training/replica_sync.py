@@ -12,7 +12,7 @@ What tf_nvlink does (on every multi-replica tf_nvlink strategy, in `model.fit`, 
   aggregation "none" are packed into one flat buffer per dtype, averaged across the replicas weighted by each
   replica's examples in the step (one small SUM all-reduce of the weighted values and the weight: ResNet-50's
   53k BatchNorm statistics are 212 KB), and written back to every replica's own copy. A replica without examples
-  adds nothing (its BatchNorm moments are 0, not 0 / 0: `internals._install_empty_replica_hooks`), and an uneven
+  adds nothing (its BatchNorm moments are 0, not 0 / 0: `exact_batches.batch_norm_moments`), and an uneven
   split counts as its examples do. Variables nobody writes (a frozen backbone's weights) cost nothing.
 
 Where the all-reduce runs, by mode (see tf_nvlink.training.install for the modes):
@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from typing import Any, Callable, Iterable, Optional
 
-from tf_nvlink import internals
+from tf_nvlink.internals import layers as layer_seams
+from tf_nvlink.plan.execution import synchronized_batch_norm_possible
+from tf_nvlink.training import thread_state
 from tf_nvlink.training.exact_batches import examples_in
+from tf_nvlink.training.execution_mode import step_facts
 
 ENV_SWITCH = "TF_NVLINK_SYNC_NON_TRAINABLE"
-
-_RECORDING = threading.local()  # each replica runs (and traces) its step in its own thread
 
 
 class SynchronizedBatchNormError(ValueError):
@@ -65,26 +65,21 @@ def enabled() -> bool:
 
 
 def _note_write(variable) -> None:
-    written = getattr(_RECORDING, "written", None)
+    written = thread_state.current().written
     if written is not None:
         written[id(variable)] = variable
 
 
-def _install_write_recorder() -> None:
-    """Record, per thread, which Keras variables are written while a `_recording()` block is open."""
-    internals.report_variable_writes(_note_write)
-
-
 @contextlib.contextmanager
 def _recording():
-    _install_write_recorder()
-    outer = getattr(_RECORDING, "written", None)
+    """Record, in this (the replica's) thread, which Keras variables are written while the block runs."""
+    layer_seams.report_variable_writes(_note_write)
+    outer = thread_state.current().written
     written: dict[int, Any] = {}
-    _RECORDING.written = written
     try:
-        yield written
+        with thread_state.setting(written=written):
+            yield written
     finally:
-        _RECORDING.written = outer
         if outer is not None:
             outer.update(written)
 
@@ -160,10 +155,11 @@ def check_synchronized_batch_norm(model, jit: bool) -> None:
     that are not all GPUs (TensorFlow needs a merge_call there, which XLA cannot hold), or across workers (an
     all-reduce compiled into XLA cannot span processes)."""
     strategy = model.distribute_strategy
-    several_workers = internals.worker_count(strategy) > 1  # XLA's NCCL cannot span processes
-    if not jit or internals.fused_allreduce_possible(strategy) and not several_workers:
+    facts = step_facts(strategy, model)
+    if not jit or synchronized_batch_norm_possible(facts):
         return
-    synced = [layer.name for layer in internals.nested_layers(model) if getattr(layer, "synchronized", False)]
+    several_workers = facts.workers > 1  # XLA's NCCL cannot span processes
+    synced = [layer.name for layer in layer_seams.nested_layers(model) if getattr(layer, "synchronized", False)]
     if synced:
         raise SynchronizedBatchNormError(
             f"BatchNormalization(synchronized=True) ({', '.join(synced)}) cannot all-reduce its batch statistics "

@@ -229,7 +229,7 @@ def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int
     """What Grappler and the partitioner left of the chains, in THIS process: per function (timed, local), the ops
     after optimisation by type and the cross-device transfers of computed tensors (function inputs left out)."""
     tf, strategy, plan, _ = _worker_strategy(candidate, target_spec)
-    from tf_nvlink import internals  # noqa: PLC0415 - run metadata is only in TensorFlow's private API
+    from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - run metadata is only in TensorFlow's private API
 
     timed, local, _, _ = _chains(tf, strategy, iters, xla=candidate.name == "xla")
     x, floor = _worker_inputs(tf, strategy, size // DTYPE_BYTES)
@@ -237,7 +237,7 @@ def inspect_worker(candidate: Candidate, target_spec: str, size: int, iters: int
               "n_replicas": strategy.num_replicas_in_sync, "iters": iters, "size_bytes": size}
     for name, fn in (("timed", timed), ("local", local)):
         # Recording starts before the first call: the function graphs are recorded as it is built.
-        with internals.recorded_run_metadata() as recorded:
+        with tf_runtime.recorded_run_metadata() as recorded:
             [value.numpy() for value in strategy.experimental_local_results(fn(x, floor))]
         metadata = recorded[0]
         op_counts: dict[str, int] = {}

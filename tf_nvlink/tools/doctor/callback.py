@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import keras
 
-from tf_nvlink import internals
+from tf_nvlink.internals import tf_runtime
 from tf_nvlink.machine import nvml as nvml_module
 from tf_nvlink.machine.nvlink_traffic import gradient_bytes, per_gpu_bytes, traffic_delta, unreadable_reasons
 from tf_nvlink.machine.nvml import NvLinkCounterReader
@@ -84,7 +84,7 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
                        allreduce_dtype=getattr(plan, "allreduce_dtype", "float32"), float_input=float_input,
                        link=link, machine_kind=kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
                        compiled_execution=compiled, batch_bytes=_input_bytes(model, per_replica_batch),
-                       device_free_bytes=internals.device_bytes_free(devices[0]) or 0)
+                       device_free_bytes=tf_runtime.device_bytes_free(devices[0]) or 0)
 
 
 def _input_bytes(model, batch: int) -> int:
@@ -162,10 +162,10 @@ class StepDoctor(keras.callbacks.Callback):
 
     # -- the fit call --------------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow only once the callback runs
+        from tf_nvlink.internals import callbacks as callback_seams  # noqa: PLC0415 - TensorFlow once it runs
 
         self._fit_began, self._first_batch_seen = time.perf_counter(), False
-        self._tensorboard_dir = self.log_dir or internals.tensorboard_log_dir_beside(self)
+        self._tensorboard_dir = self.log_dir or callback_seams.tensorboard_log_dir_beside(self)
 
     def on_train_batch_begin(self, batch, logs=None):
         entered = time.perf_counter()

@@ -98,9 +98,9 @@ def keep_trace(logdir: str, target: str) -> Optional[str]:
 
 def load_space(path: str):
     """The XSpace protobuf in the file at `path`."""
-    from tf_nvlink import internals  # noqa: PLC0415 - TensorFlow only when a trace is read
+    from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - TensorFlow only when a trace is read
 
-    space = internals.xplane_protobuf_module().XSpace()
+    space = tf_runtime.xplane_protobuf_module().XSpace()
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             space.ParseFromString(f.read())

@@ -1,0 +1,34 @@
+"""Pins of the TensorFlow internals tf_nvlink.internals.tf_runtime relies on (TensorFlow 2.21)."""
+
+import inspect
+
+
+def test_merge_call_switch_workers_and_xla_context():
+    import tensorflow as tf
+    from tensorflow.python.distribute import mirrored_strategy
+    from tensorflow.python.ops import control_flow_util
+
+    from tf_nvlink.internals import tf_runtime
+
+    assert hasattr(mirrored_strategy.MirroredExtended, "_use_merge_call")
+    assert hasattr(control_flow_util, "GraphOrParentsInXlaContext")
+    assert tf_runtime.worker_count(tf.distribute.get_strategy()) == 1
+    assert not tf_runtime.in_xla_context()
+
+    @tf.function(jit_compile=True)
+    def inside():
+        return tf.constant(tf_runtime.in_xla_context())
+
+    assert bool(inside())
+    jit = tf_runtime.jit_tf_function(inside)
+    assert jit is not None and jit[0] is inside and jit[2] is True
+    assert tf_runtime.jit_tf_function(tf.function(lambda: 1)) is None
+
+
+def test_profiler_trace_format_and_kernels():
+    from tensorflow.python.eager import context
+
+    from tf_nvlink.internals import tf_runtime
+
+    assert {"XSpace", "XPlane", "XLine", "XEvent"} <= set(dir(tf_runtime.xplane_protobuf_module()))
+    assert "def set_config_key_value" in inspect.getsource(context.Context)
