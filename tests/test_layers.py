@@ -74,3 +74,12 @@ def test_import_tf_nvlink_loads_no_tensorflow():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+def test_building_a_strategy_imports_no_tool():
+    """`tf_nvlink.strategy()` imports the layers it needs, not the tools (tune's autotune only when asked for)."""
+    code = ("import sys, tf_nvlink; tf_nvlink.strategy(devices=['/cpu:0']); "
+            "print(sorted(m for m in sys.modules if m.startswith('tf_nvlink.tools')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

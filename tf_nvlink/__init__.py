@@ -27,26 +27,39 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
         >>> with tf_nvlink.strategy(gpus="auto").scope():
         ...     model = build_model()
     """
-    # TensorFlow is imported here, not at `import tf_nvlink`.
-    from tf_nvlink.distribute import single_host  # noqa: PLC0415
-    from tf_nvlink.tools import tune  # noqa: PLC0415
+    # TensorFlow is imported here, not at `import tf_nvlink`; the tune tool only if "autotune" measures.
     from tf_nvlink.training import install  # noqa: PLC0415
 
-    built = single_host.strategy(gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs,
-                                 autotune_choice=tune.autotune_choice, **kwargs)
-    install.install_training_hooks(built)
-    return built
+    return install.build_strategy(gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs,
+                                  autotune_choice=_autotune_choice, **kwargs)
+
+
+def _autotune_choice(*args, **kwargs):
+    """`tf_nvlink.tools.tune.autotune_choice`, imported when `cross_device_ops="autotune"` asks for it."""
+    from tf_nvlink.tools import tune  # noqa: PLC0415
+
+    return tune.autotune_choice(*args, **kwargs)
 
 
 def current_plan():
-    """The `Plan` of the strategy this process built with `strategy()`, or None before the first call."""
+    """The `Plan` of the strategy this process built with `strategy()`, or None before the first call.
+
+    Example:
+        >>> tf_nvlink.current_plan().xla_allreduce
+        'fused'
+    """
     from tf_nvlink.distribute import single_host
 
     return single_host.current_plan()
 
 
 def probe(nvml=None):
-    """NVML's view of this machine's GPUs and links as a `Topology` (instant; no TensorFlow)."""
+    """NVML's view of this machine's GPUs and links as a `Topology` (instant; no TensorFlow).
+
+    Example:
+        >>> tf_nvlink.probe().kind()
+        'nvswitch'
+    """
     return _nvml.probe(nvml)
 
 

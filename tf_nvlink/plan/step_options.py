@@ -16,6 +16,8 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
+from tf_nvlink.plan import execution
+
 # XLA flags tf_nvlink may set. XLA aborts the process on a flag name it does not know, so only names checked in
 # TensorFlow 2.21's XLA (its .so) are accepted.
 KNOWN_XLA_FLAGS = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_all_reduce_combine_threshold_bytes",
@@ -182,9 +184,14 @@ def execution_text(plan) -> str:
     """
     if not plan.compiled_execution:
         return "compiled execution off: steps_per_execution=N runs one program per step"
-    if not (plan.gpus or any("GPU" in device.upper() for device in plan.devices)):
+    all_gpu = bool(plan.gpus) or any("GPU" in device.upper() for device in plan.devices)
+    if not all_gpu:
         return ""
-    if len(plan.gpus) > 1 and plan.xla_allreduce != "fused":
+    mode = execution.decide_execution(execution.StepFacts(
+        replicas=max(1, len(plan.gpus) or len(plan.devices)), all_gpu=all_gpu, workers=1,
+        xla_allreduce=plan.xla_allreduce, compiled_execution=True, jit_compile=True, run_eagerly=False,
+        steps_per_execution=2))
+    if mode.path != execution.COMPILED:
         return "steps_per_execution=N runs one program per step (split mode all-reduces outside XLA)"
     return "steps_per_execution=N runs as one XLA program per replica"
 

@@ -31,7 +31,7 @@ from tf_nvlink.distribute import base
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.training.optimizer_rules import optimizer_calls
 from tf_nvlink.training.replica_programs import (ReplicaPrograms, carried_start, next_batches, padded, signature,
-                                                 stackable, steps_loop)
+                                                 stack, stackable, steps_loop)
 
 
 class CompiledSteps:
@@ -120,7 +120,7 @@ class CompiledSteps:
     def _program(self, batches, count):
         """The replica's program: `count` (a Python int for a full call, else a tensor) steps over `batches`."""
         step = tf.autograph.to_graph(self.python_function) if self.autograph else self.python_function
-        stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
+        stacked = stack(batches)
 
         def one(batch):
             with optimizer_calls("replica_local"):  # the step counters per replica, as fit's fused step

@@ -88,6 +88,20 @@ KERAS_RULES = types.SimpleNamespace(
 )
 
 
+def build_strategy(**kwargs):
+    """`tf_nvlink.strategy(**kwargs)` for the layers below the facade (the tools' benchmark workers): the strategy
+    built by `distribute.single_host.strategy`, with the training hooks installed.
+
+    Example:
+        >>> strategy = build_strategy(gpus="auto")
+    """
+    from tf_nvlink.distribute import single_host  # noqa: PLC0415
+
+    built = single_host.strategy(**kwargs)
+    install_training_hooks(built)
+    return built
+
+
 def install_training_hooks(strategy) -> None:
     """Everything tf_nvlink changes in Keras for `strategy` (a tf_nvlink strategy just built): the gradient
     all-reduce, the trainer hooks (per-replica XLA, BatchNorm statistics kept in sync) and the per-replica

@@ -71,7 +71,7 @@ def execution_body(step_body: Callable, full: bool) -> Callable:
         >>> logs = program(batches)          # inside the replica's strategy.run
     """
     def execution(batches, count):
-        stacked = tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
+        stacked = stack(batches)
         def body(index, _):
             return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
 
@@ -218,6 +218,16 @@ def stackable(batch, strategy) -> bool:
     """Dense tensors only: sparse, ragged and optional values take the per-step path."""
     return all(isinstance(tensor, tf.Tensor)  # a SparseTensor, RaggedTensor or Optional is no tf.Tensor
                for leaf in tf.nest.flatten(batch) for tensor in strategy.experimental_local_results(leaf))
+
+
+def stack(batches) -> object:
+    """The batches (each a nest of tensors of one structure and shape) stacked along a new first dimension, the
+    loop's input inside a replica's program.
+
+    Example:
+        >>> stack([(x0, y0), (x1, y1)])      # (x of shape [2, ...], y of shape [2, ...])
+    """
+    return tf.nest.map_structure(lambda *leaves: tf.stack(leaves), *batches)
 
 
 def padded(batches: list, steps: int) -> tuple:
