@@ -65,12 +65,13 @@ def function_def(path: Path, name: str) -> ast.FunctionDef:
 
 
 def facade_supplied_arguments() -> set[str]:
-    """Keywords `tf_nvlink.strategy()` passes to `single_host.strategy` itself (not the caller's)."""
+    """Keywords `tf_nvlink.strategy()` passes to `single_host.strategy` itself (not the caller's), through
+    `training.install.build_strategy`."""
     facade = function_def(ROOT / "tf_nvlink" / "__init__.py", "strategy")
     own = {a.arg for a in facade.args.args + facade.args.kwonlyargs}
     calls = [node for node in ast.walk(facade) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Attribute) and node.func.attr == "strategy"]
-    assert calls, "tf_nvlink.strategy() no longer calls single_host.strategy; update this test"
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "build_strategy"]
+    assert calls, "tf_nvlink.strategy() no longer calls install.build_strategy; update this test"
     return {kw.arg for call in calls for kw in call.keywords
             if kw.arg and not (isinstance(kw.value, ast.Name) and kw.value.id in own)}
 
