@@ -5,7 +5,9 @@ TensorFlow fixes its device list at first use and tolerates one MirroredStrategy
 - tests that need another device layout or another strategy run a subprocess (`run_python`).
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/fake_nvml.py
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Never read or write the user's autotune cache: a stored winner there would change what "auto" picks.
 os.environ["TF_NVLINK_CACHE_DIR"] = tempfile.mkdtemp(prefix="tf_nvlink_test_cache_")
+atexit.register(shutil.rmtree, os.environ["TF_NVLINK_CACHE_DIR"], ignore_errors=True)
 N_LOGICAL_CPUS = 4
 
 
