@@ -83,3 +83,33 @@ def test_building_a_strategy_imports_no_tool():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _facade_imports(source: str, name: str) -> list[str]:
+    """The lines of `source` (the module `name`) that import the facade itself (`import tf_nvlink`,
+    `from tf_nvlink import strategy`), anywhere, functions included; a subpackage (`from tf_nvlink import plan`)
+    is not the facade."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(alias.name == "tf_nvlink" for alias in node.names):
+            found.append(f"{name}:{node.lineno}: import tf_nvlink")
+        elif isinstance(node, ast.ImportFrom) and node.module == "tf_nvlink" and not node.level:
+            names = [a.name for a in node.names
+                     if not (PACKAGE / a.name).is_dir() and not (PACKAGE / f"{a.name}.py").exists()]
+            if names:
+                found.append(f"{name}:{node.lineno}: from tf_nvlink import {', '.join(names)}")
+    return found
+
+
+def test_no_module_imports_the_facade_but_the_command_line():
+    """The facade (`tf_nvlink/__init__.py`) sits above every layer: the tools build strategies through
+    `training.install.build_strategy` and read the version from `util.version`; only `__main__` may use it."""
+    offenders = [line for path in sorted(PACKAGE.rglob("*.py"))
+                 if path not in (PACKAGE / "__init__.py", PACKAGE / "__main__.py")
+                 for line in _facade_imports(path.read_text(), str(path.relative_to(ROOT)))]
+    assert offenders == []
+
+
+def test_the_facade_rule_sees_imports_inside_functions_and_lets_subpackages_pass():
+    source = "from tf_nvlink import plan\ndef f():\n    import tf_nvlink\n    from tf_nvlink import probe, util\n"
+    assert _facade_imports(source, "m.py") == ["m.py:3: import tf_nvlink", "m.py:4: from tf_nvlink import probe"]

@@ -10,8 +10,7 @@
 so `tf-nvlink report --no-tf` answers instantly.
 """
 
-__version__ = "0.1.0"
-
+from tf_nvlink.util.version import __version__  # noqa: E402
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
 __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "sync_non_trainable",

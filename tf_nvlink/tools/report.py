@@ -18,7 +18,6 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
-import tf_nvlink
 from tf_nvlink.distribute import facts as facts_lib
 from tf_nvlink.machine import tf_devices
 from tf_nvlink.plan import step_options
@@ -27,6 +26,7 @@ from tf_nvlink.plan import policy
 from tf_nvlink.machine.nvml import probe as nvml_probe
 from tf_nvlink.util.text_table import table
 from tf_nvlink.machine.topology import RemoteType, Topology
+from tf_nvlink.util.version import __version__
 
 LEGEND = ("Legend: X = self; NV# = a bonded set of # NVLinks (direct, or through NVSwitch); PIX = one PCIe "
           "switch; PXB = several PCIe switches; PHB = a PCIe host bridge; NODE = host bridges within one NUMA "
@@ -57,7 +57,7 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
     data = topology.to_dict()
     visible = tf_devices.visible_nvml_indices(topology, environ)
     data.update({
-        "tf_nvlink_version": tf_nvlink.__version__,
+        "tf_nvlink_version": __version__,
         "no_gpu": not topology.gpus,
         "shape": topology.shape(),
         "fully_nvlink_connected": bool(topology.gpus) and topology.is_nvlink_connected(topology.indices),

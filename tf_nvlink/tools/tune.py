@@ -34,13 +34,13 @@ import math
 import sys
 from typing import Optional, Sequence, TextIO
 
-import tf_nvlink
 from tf_nvlink.plan import allreduce_sizes, policy
 from tf_nvlink.plan.tune_cache import (CacheError, cache_path, cache_unusable_reason, entries, gpus_key, make_key,
                                        store, stored_choice, validate_record)
 from tf_nvlink.tools.allreduce_bench import cli, render, runner, specs
 from tf_nvlink.util.cli_args import argtype, command_line, run_as_module, usage_error
 from tf_nvlink.util.error_lines import write_failure
+from tf_nvlink.util.version import __version__
 
 log = logging.getLogger("tf_nvlink")
 
@@ -176,7 +176,7 @@ def tune(gpus="all", sizes=None, grad_bytes: Optional[int] = None, *, candidates
 
 
 def _package_version() -> str:
-    return tf_nvlink.__version__
+    return __version__
 
 
 def autotune_choice(topology, gpus: Sequence[int], grad_bytes: Optional[int] = None,

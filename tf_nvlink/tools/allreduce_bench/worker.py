@@ -15,7 +15,6 @@ import time
 import traceback
 from typing import Optional, Sequence
 
-import tf_nvlink
 from tf_nvlink.machine import nvlink_traffic
 
 from tf_nvlink.machine.nvml import NvLinkCounterReader
@@ -35,6 +34,9 @@ def _worker_strategy(candidate: Candidate, target_spec: str):
     cpu = re.fullmatch(r"cpu:(\d+)", target_spec)
     import tensorflow as tf  # noqa: PLC0415 - only workers import TensorFlow
 
+    from tf_nvlink.distribute import single_host  # noqa: PLC0415
+    from tf_nvlink.training import install  # noqa: PLC0415
+
     if cpu:  # before anything else touches TensorFlow's devices
         physical = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(physical,
@@ -42,14 +44,14 @@ def _worker_strategy(candidate: Candidate, target_spec: str):
     # "xla": TensorFlow uses its CollectiveAllReduce under XLA whatever the strategy was given; ask for it.
     ops = {"auto": "auto", "xla": "collective"}.get(candidate.name, candidate.name)
     if cpu:
-        strategy = tf_nvlink.strategy(
+        strategy = install.build_strategy(
             cross_device_ops=ops, num_packs=candidate.num_packs,
             devices=[f"/cpu:{i}" for i in range(int(cpu.group(1)))],
             topology=Topology(error="benchmark over logical CPU devices (--devices cpu:N)"))
     else:
-        strategy = tf_nvlink.strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
-                                      num_packs=candidate.num_packs)
-    return tf, strategy, tf_nvlink.current_plan(), bool(cpu)
+        strategy = install.build_strategy(gpus=target_spec.partition(":")[2], cross_device_ops=ops,
+                                          num_packs=candidate.num_packs)
+    return tf, strategy, single_host.current_plan(), bool(cpu)
 
 
 def _chains(tf, strategy, iters: int, xla: bool = False):

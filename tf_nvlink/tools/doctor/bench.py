@@ -25,7 +25,7 @@ def configure(cpu_devices: int = 0, mixed_precision: bool = True):
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
-    import tf_nvlink  # noqa: PLC0415
+    from tf_nvlink.training import install  # noqa: PLC0415
 
     devices = None
     if cpu_devices:
@@ -37,7 +37,7 @@ def configure(cpu_devices: int = 0, mixed_precision: bool = True):
             tf.config.experimental.set_memory_growth(gpu, True)
     if mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    return tf_nvlink.strategy(devices=devices)
+    return install.build_strategy(devices=devices)
 
 
 def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_execution: int = 1,

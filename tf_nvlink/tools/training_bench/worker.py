@@ -69,10 +69,11 @@ def build_strategy(candidate: Candidate, cpu_devices: int):
     """(the candidate's strategy, tf_nvlink's plan or None), with `cpu_devices` logical CPU devices when > 0."""
     import tensorflow as tf
 
-    import tf_nvlink
+    from tf_nvlink.distribute import single_host
+    from tf_nvlink.training import install
 
     if candidate.base == "workers":  # MultiWorkerMirroredStrategy (TF_CONFIG): first, before any TensorFlow op
-        return tf_nvlink.strategy(), tf_nvlink.current_plan()
+        return install.build_strategy(), single_host.current_plan()
     if cpu_devices:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_devices)
@@ -83,12 +84,12 @@ def build_strategy(candidate: Candidate, cpu_devices: int):
         return tf.distribute.OneDeviceStrategy(devices[0] if devices else "/cpu:0"), None
     if candidate.base == "stock":
         return tf.distribute.MirroredStrategy(devices), None
-    strategy = tf_nvlink.strategy(cross_device_ops=candidate.base, devices=devices if cpu_devices else None,
-                                  xla_allreduce=candidate.xla_allreduce,
-                                  xla_flags="none" if candidate.nolhs else "auto",
-                                  allreduce_dtype="bfloat16" if candidate.bf16grad else "float32",
-                                  input_buffer=1 if candidate.buffer1 else None)
-    return strategy, tf_nvlink.current_plan()
+    strategy = install.build_strategy(cross_device_ops=candidate.base, devices=devices if cpu_devices else None,
+                                       xla_allreduce=candidate.xla_allreduce,
+                                       xla_flags="none" if candidate.nolhs else "auto",
+                                       allreduce_dtype="bfloat16" if candidate.bf16grad else "float32",
+                                       input_buffer=1 if candidate.buffer1 else None)
+    return strategy, single_host.current_plan()
 
 
 def synthetic_dataset(tf, model_name: str, global_batch: int, input_mode: str):
