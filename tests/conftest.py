@@ -22,6 +22,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["TF_NVLINK_CACHE_DIR"] = tempfile.mkdtemp(prefix="tf_nvlink_test_cache_")
 atexit.register(shutil.rmtree, os.environ["TF_NVLINK_CACHE_DIR"], ignore_errors=True)
 N_LOGICAL_CPUS = 4
+# The time limit of a test marked slow or gpu that names none itself (pytest-timeout; the default tier's limit is
+# `timeout` in setup.cfg's [tool:pytest]).
+SLOW_TIMEOUT_S = 1800
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +39,14 @@ def tf():
     except RuntimeError:
         pass  # already initialised by an earlier test in this process: keep its layout
     return tf_module
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow and gpu tests train for minutes: they get SLOW_TIMEOUT_S unless they carry their own timeout mark."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None and (item.get_closest_marker("slow")
+                                                          or item.get_closest_marker("gpu")):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 def pytest_collection_finish(session):
