@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import time
 import types
 from typing import Optional
 
@@ -44,6 +45,8 @@ class FakeGpu:
     traffic_fields: tuple = (138, 139, 140, 141)  # fields answered; the others NOT_SUPPORTED (older GPUs: none)
     mig: Optional[int] = None  # nvmlDeviceGetMigMode's current mode (0 off, 1 on); None: NotSupported (no MIG)
     counters_kib: dict = dataclasses.field(default_factory=dict)  # {(field id, link): cumulative KiB}
+    link_count_field: bool = True  # NVML_FI_DEV_NVLINK_LINK_COUNT answers len(links); False: NOT_SUPPORTED
+    stamps: bool = True  # field values carry NVML's timestamp (microseconds); False: 0, as some drivers leave it
 
 
 @dataclasses.dataclass
@@ -298,14 +301,23 @@ MACHINES = {
 # a 10 GiB GPU0->GPU1 peer copy added ~582k KiB on each of GPU0's 18 links (TX) and GPU1's (RX), i.e. the bytes
 # spread evenly over the links. nvmlDeviceGetNvLinkUtilizationCounter raises NotSupported there.
 # The fake's starting counts and RAW's protocol overhead (1/16 of the data) are made up, not measured.
-TRAFFIC_FIELD_IDS = (138, 139, 140, 141)
+# NVML stamps each value with the CPU time it was sampled, in microseconds; the fake stamps time.monotonic() (so a
+# test that moves that clock moves NVML's too) plus an offset that makes the stamps look like real ones.
+TRAFFIC_FIELD_IDS = (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                     pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX)
 DATA_TX, DATA_RX, RAW_TX, RAW_RX = TRAFFIC_FIELD_IDS
+LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+STAMP_OFFSET_US = 1_764_000_000_000_000
 
 
-def _field_value(field_id, scope_id, ret, value=0):
+def nvml_stamp_us() -> int:
+    return STAMP_OFFSET_US + int(round(time.monotonic() * 1e6))
+
+
+def _field_value(field_id, scope_id, ret, value=0, stamp=0, value_type=pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG):
     """What one entry of pynvml's c_nvmlFieldValue_t array exposes (valueType 3: unsigned long long)."""
-    return types.SimpleNamespace(fieldId=field_id, scopeId=scope_id, timestamp=0, latencyUsec=0,
-                                 valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlReturn=ret,
+    return types.SimpleNamespace(fieldId=field_id, scopeId=scope_id, timestamp=stamp, latencyUsec=0,
+                                 valueType=value_type, nvmlReturn=ret,
                                  value=types.SimpleNamespace(ullVal=value, uiVal=value & 0xFFFFFFFF))
 
 
@@ -318,15 +330,19 @@ def _fake_field_values(self, handle, fieldIds):
     own nvmlReturn, as real NVML answers per value and fails the whole call only for a bad handle."""
     self._check("nvmlDeviceGetFieldValues")
     gpu = self._gpu(handle)
+    stamp = nvml_stamp_us() if gpu.stamps else 0
     answers = []
     for request in fieldIds:
         field_id, scope = request if isinstance(request, tuple) else (request, 0)
-        if field_id not in gpu.traffic_fields or not gpu.nvlink_supported:
+        if field_id == LINK_COUNT and gpu.link_count_field and gpu.nvlink_supported:
+            answers.append(_field_value(field_id, scope, pynvml.NVML_SUCCESS, len(gpu.links), stamp,
+                                        pynvml.NVML_VALUE_TYPE_UNSIGNED_INT))
+        elif field_id not in gpu.traffic_fields or not gpu.nvlink_supported:
             answers.append(_field_value(field_id, scope, pynvml.NVML_ERROR_NOT_SUPPORTED))
         elif not 0 <= scope < len(gpu.links):
             answers.append(_field_value(field_id, scope, pynvml.NVML_ERROR_INVALID_ARGUMENT))
         else:
-            answers.append(_field_value(field_id, scope, pynvml.NVML_SUCCESS, _counter(gpu, field_id, scope)))
+            answers.append(_field_value(field_id, scope, pynvml.NVML_SUCCESS, _counter(gpu, field_id, scope), stamp))
     return answers
 
 

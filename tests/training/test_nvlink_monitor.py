@@ -3,6 +3,8 @@ sample and the NVLinkMonitor callback in a real CPU-replica fit, all against the
 
 import json
 import sys
+import threading
+import time
 import types
 
 import pynvml
@@ -60,6 +62,62 @@ def test_field_values_follow_pynvmls_api():
     reader = nvml.NvLinkCounterReader([0], fake)
     reader._handles, reader._requests = {0: None}, {0: [(138, 3)]}
     assert reader.read()[0].values == (nvml.CounterValue("data_tx", 3, 2**63, 64),)
+
+
+def test_fields_are_pynvmls_named_constants_and_links_come_from_nvmls_link_count():
+    fake = FakeNvml(fake_nvml.h200_x2())
+    asked = []
+    original = fake.nvmlDeviceGetNvLinkState
+    fake.nvmlDeviceGetNvLinkState = lambda handle, link: asked.append(link) or original(handle, link)
+    reader = nvml.NvLinkCounterReader([0], fake).open()
+    assert asked == list(range(18))  # NVML_FI_DEV_NVLINK_LINK_COUNT says 18: link 18 is never asked
+    assert {field for field, _ in reader._requests[0]} == {
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX}
+    assert nvml.nvlink_link_count(fake, 0) == 18 and nvml.nvlink_link_count(FakeNvml(fake_nvml.pcie_x4()), 0) is None
+    reader.close()
+
+
+def test_without_nvmls_link_count_the_links_are_asked_until_invalid_argument():
+    machine = fake_nvml.h200_x2()
+    for gpu in machine.gpus:
+        gpu.link_count_field = False
+    fake = FakeNvml(machine)
+    reader = nvml.NvLinkCounterReader([0, 1], fake).open()
+    assert reader.readable == (0, 1) and fake.calls.count("nvmlDeviceGetNvLinkState") == 2 * 19
+    assert len(reader._requests[0]) == 4 * 18
+    reader.close()
+
+
+def test_a_pynvml_without_the_names_falls_back_to_nvml_h_numbers():
+    assert nvml.field_ids(types.SimpleNamespace()) == {"data_tx": 138, "data_rx": 139, "raw_tx": 140, "raw_rx": 141}
+    assert nvml.field_ids(pynvml) == nvml.TRAFFIC_FIELDS  # the names and the numbers agree
+
+
+def test_rates_divide_by_nvmls_own_timestamps(monkeypatch):
+    """The calls return 5 s apart on our clock, but NVML stamped its samples 2 s apart: 2 GB moved in 2 s."""
+    machine = fake_nvml.h200_x2()
+    clock, stamps = iter([100.0, 105.0]), iter([1_000_000_000, 1_002_000_000])
+    with nvml.NvLinkCounterReader([0], FakeNvml(machine), payload_only=True) as reader:
+        monkeypatch.setattr(nvml, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))  # nvml's clock alone
+        monkeypatch.setattr(fake_nvml, "nvml_stamp_us", lambda: next(stamps))
+        before = reader.read()
+        fake_nvml.transfer(machine, 0, 1, 2 * 10**9)
+        after = reader.read()
+    assert {v.at_us for v in before[0].values} == {1_000_000_000}
+    traffic = nvlink_traffic.traffic_delta(before, after)[0]
+    assert traffic.seconds == 2.0 and traffic.tx_gbps == pytest.approx(1.0, abs=1e-3)
+
+
+def test_without_nvml_timestamps_rates_use_the_reads_clock():
+    def counters(at_s, kib, at_us):
+        return nvml.GpuCounters(0, at_s, (nvml.CounterValue("data_tx", 0, kib, 64, at_us),
+                                          nvml.CounterValue("data_rx", 0, 0, 64, at_us)))
+
+    assert nvlink_traffic.gpu_traffic(counters(10.0, 0, 0), counters(14.0, 4, 0)).seconds == 4.0
+    # a clock that did not move forward (a stale cached sample) is not trusted either
+    assert nvlink_traffic.gpu_traffic(counters(10.0, 0, 7), counters(14.0, 4, 7)).seconds == 4.0
+    assert nvlink_traffic.gpu_traffic(counters(10.0, 0, 7), counters(14.0, 4, 500_007)).seconds == 0.5
 
 
 @pytest.mark.parametrize("machine, gpus, reason", [
@@ -278,9 +336,11 @@ def test_report_watch_prints_a_line_per_interval(capsys, monkeypatch):
     machine = fake_nvml.h200_x2()
     fake = FakeNvml(machine)
     monkeypatch.setattr(nvml, "_load_pynvml", lambda: fake)
-    sleeps, clock = [], [1000.0]
+    sleeps, clock, real_sleep, test_thread = [], [1000.0], time.sleep, threading.current_thread()
 
     def sleep(seconds):  # 2 GB from GPU 0 to GPU 1 during each interval, on a clock that advances by `seconds`
+        if threading.current_thread() is not test_thread:
+            return real_sleep(seconds)  # another thread's wait (tests/scenarios.py polls its processes)
         sleeps.append(seconds)
         clock[0] += seconds
         fake_nvml.transfer(machine, 0, 1, 2 * 10**9)

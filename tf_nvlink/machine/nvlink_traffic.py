@@ -88,7 +88,7 @@ def gpu_traffic(before: GpuCounters, after: GpuCounters) -> Optional[GpuTraffic]
     source = "data" if {"data_tx", "data_rx"} <= kinds else "raw" if {"raw_tx", "raw_rx"} <= kinds else None
     if source is None:
         return None
-    totals, resets, links = {"tx": 0, "rx": 0}, 0, set()
+    totals, resets, links, intervals = {"tx": 0, "rx": 0}, 0, set(), []
     for field, link in sorted(common):
         kind, direction = field.split("_")
         if kind != source:
@@ -97,8 +97,23 @@ def gpu_traffic(before: GpuCounters, after: GpuCounters) -> Optional[GpuTraffic]
         totals[direction] += delta.kib * KIB
         resets += delta.reset
         links.add(link)
-    return GpuTraffic(after.gpu, totals["tx"], totals["rx"], after.read_at_s - before.read_at_s, len(links), source,
-                      resets)
+        intervals.append((old[(field, link)].at_us, new[(field, link)].at_us))
+    return GpuTraffic(after.gpu, totals["tx"], totals["rx"], read_interval_s(before, after, intervals), len(links),
+                      source, resets)
+
+
+def read_interval_s(before: GpuCounters, after: GpuCounters, stamps: Iterable[tuple[int, int]] = ()) -> float:
+    """Seconds between two reads: the mean of each value's interval between NVML's own timestamps (microseconds),
+    where NVML stamped every value both times and the clock went forward; otherwise the reads' monotonic times.
+
+    Example:
+        >>> read_interval_s(b, a, [(1_000_000, 3_000_000), (1_000_010, 3_000_010)])
+        2.0
+    """
+    stamps = list(stamps)
+    if stamps and all(old > 0 and new > old for old, new in stamps):
+        return sum(new - old for old, new in stamps) / len(stamps) / 1e6
+    return after.read_at_s - before.read_at_s
 
 
 def traffic_delta(before: Mapping[int, GpuCounters], after: Mapping[int, GpuCounters],

@@ -4,8 +4,11 @@ Every NVML quirk we know of is handled here, so that the rest of tf_nvlink sees 
 
 - NVSwitch boards (HGX/DGX H100, H200): every link's far end is a switch, not a GPU. Peers are found from
   the remote device type plus NVML's P2P status over NVLink, not by matching remote PCI ids.
-- Links are counted by asking link 0, 1, ... until NVML answers Invalid Argument or Not Supported;
-  `NVML_NVLINK_MAX_LINKS` (36 in current pynvml, 6/12/18 in old headers) is only an upper bound.
+- The probe counts links by asking link 0, 1, ... until NVML answers Invalid Argument or Not Supported;
+  `NVML_NVLINK_MAX_LINKS` (36 in current pynvml, 6/12/18 in old headers) is only an upper bound. The counter
+  reader takes the count NVML states (NVML_FI_DEV_NVLINK_LINK_COUNT) and asks only where NVML does not answer it.
+- NVLink traffic counters are read by pynvml's named field ids (NVML_FI_DEV_NVLINK_THROUGHPUT_*), and each value
+  keeps NVML's own timestamp, so a rate divides by the time between NVML's two samples, not between our calls.
 - pynvml's `NVML_P2P_CAPS_INDEX_READ` is the tuple `(0,)`, which ctypes rejects: we pass plain integers.
 - NotSupported from NVLink calls (PCIe-only and consumer GPUs) means "no NVLink", not an error.
 - `nvmlInit` failures (and a missing pynvml) become `Topology(error=...)`; every successful `nvmlInit` is paired
@@ -230,13 +233,39 @@ def _read_pair(session: _Session, a: Gpu, b: Gpu, handles: dict[int, Any]) -> Gp
 
 
 # ---- NVLink traffic counters (cumulative KiB per link; tf_nvlink.machine.nvlink_traffic turns them into deltas, rates) ----
-# nvmlDeviceGetFieldValues field ids (nvml.h NVML_FI_DEV_NVLINK_THROUGHPUT_*), link index as scopeId. DATA: payload.
+# nvmlDeviceGetFieldValues field ids, link index as scopeId. DATA: payload; RAW: payload and protocol. Each is
+# pynvml's named constant (`field_ids(nvml)`); the numbers here are nvml.h's, for a pynvml too old to name them.
+TRAFFIC_FIELD_NAMES = {"data_tx": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", "data_rx": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
+                       "raw_tx": "NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX", "raw_rx": "NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX"}
 TRAFFIC_FIELDS = {"data_tx": 138, "data_rx": 139, "raw_tx": 140, "raw_rx": 141}
+# The number of NVLink links a GPU has (nvml.h NVML_FI_DEV_NVLINK_LINK_COUNT, scopeId 0).
+LINK_COUNT_FIELD_NAME, LINK_COUNT_FIELD = "NVML_FI_DEV_NVLINK_LINK_COUNT", 91
 _SUCCESS, _MIG_ENABLED = 0, 1  # nvmlReturn_t success; nvmlDeviceGetMigMode's 'enabled'
 # nvmlValueType_t -> (c_nvmlValue_t member, counter width in bits; the counter wraps at 2**bits)
 _VALUE_MEMBERS = {0: ("dVal", 64), 1: ("uiVal", 32), 2: ("ulVal", 64), 3: ("ullVal", 64), 4: ("sllVal", 63),
                   5: ("siVal", 31), 6: ("usVal", 16)}
-NO_THROUGHPUT_FIELDS = "NVML has no NVLink throughput counters (field ids 138-141) on this GPU or driver"
+NO_THROUGHPUT_FIELDS = ("NVML has no NVLink throughput counters (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA/RAW_TX/RX) on "
+                        "this GPU or driver")
+
+
+def field_ids(nvml: Any) -> dict[str, int]:
+    """{"data_tx": id, ...}: pynvml's named NVLink throughput field ids (nvml.h's numbers where it has no name)."""
+    return {key: int(getattr(nvml, name, TRAFFIC_FIELDS[key])) for key, name in TRAFFIC_FIELD_NAMES.items()}
+
+
+def nvlink_link_count(nvml: Any, handle: Any) -> Optional[int]:
+    """The GPU's NVLink link count as NVML states it (NVML_FI_DEV_NVLINK_LINK_COUNT); None where NVML does not
+    answer it (older drivers, a failed call): the caller then asks link 0, 1, ... until Invalid Argument."""
+    field = int(getattr(nvml, LINK_COUNT_FIELD_NAME, LINK_COUNT_FIELD))
+    try:
+        answers = list(nvml.nvmlDeviceGetFieldValues(handle, [(field, 0)]))
+    except (nvml.NVMLError, AttributeError, TypeError):
+        return None
+    if len(answers) != 1 or int(answers[0].nvmlReturn) != _SUCCESS:
+        return None
+    member, _ = _VALUE_MEMBERS.get(int(answers[0].valueType), ("uiVal", 32))
+    count = int(getattr(answers[0].value, member))
+    return count if 0 <= count <= _LINK_SEARCH_LIMIT else None
 
 
 class CounterValue(NamedTuple):
@@ -246,13 +275,14 @@ class CounterValue(NamedTuple):
     link: int  # NVLink index (NVML scopeId)
     kib: int  # KiB counted since the driver loaded (NVML's unit)
     bits: int  # counter width: it wraps to 0 after 2**bits - 1 KiB
+    at_us: int = 0  # NVML's timestamp of this value (microseconds, CPU clock); 0 where NVML gave none
 
 
 class GpuCounters(NamedTuple):
     """Every supported NVLink counter of one GPU, read by one nvmlDeviceGetFieldValues call."""
 
     gpu: int  # NVML (nvidia-smi) index
-    read_at_s: float  # time.monotonic() seconds when the values came back
+    read_at_s: float  # time.monotonic() seconds when the values came back (rates use the values' own `at_us`)
     values: tuple  # CounterValue per (field, active link); empty when `error` is set
     error: Optional[str] = None  # why this read gave no values (the GPU fell off, NVML failed)
 
@@ -329,25 +359,28 @@ class NvLinkCounterReader:
                 return "MIG mode is on: NVLink is not used between MIG instances, and its counters are not exposed"
         except nvml.NVMLError:
             pass  # NotSupported: a GPU without MIG
+        count = nvlink_link_count(nvml, handle)
         links = []
-        for link in range(_LINK_SEARCH_LIMIT):
+        for link in range(_LINK_SEARCH_LIMIT if count is None else count):
             try:
                 if nvml.nvmlDeviceGetNvLinkState(handle, link):
                     links.append(link)
             except nvml.NVMLError as exc:
                 if link == 0 and _error_code(exc) == _ERROR_NOT_SUPPORTED:
                     return "no NVLink (a PCIe-only GPU: NVML answers Not Supported for its NVLink state)"
-                break  # Invalid Argument: past the last link
+                if count is None:
+                    break  # Invalid Argument: past the last link
         if not links:
             return "no active NVLink link"
-        request = [(field_id, link) for field_id in TRAFFIC_FIELDS.values() for link in links]
+        ids = field_ids(nvml)
+        request = [(field_id, link) for field_id in ids.values() for link in links]
         try:
             answers = list(nvml.nvmlDeviceGetFieldValues(handle, request))
         except nvml.NVMLError as exc:
             return f"nvmlDeviceGetFieldValues failed: {exc}"
         failed_fields = {int(a.fieldId) for a in answers if int(a.nvmlReturn) != _SUCCESS}
-        fields = [f for f in TRAFFIC_FIELDS.values() if f not in failed_fields]
-        data = [TRAFFIC_FIELDS["data_tx"], TRAFFIC_FIELDS["data_rx"]]
+        fields = [f for f in ids.values() if f not in failed_fields]
+        data = [ids["data_tx"], ids["data_rx"]]
         if self.payload_only and set(data) <= set(fields):
             fields = data
         if not fields:
@@ -358,7 +391,8 @@ class NvLinkCounterReader:
 
     def read(self) -> dict[int, GpuCounters]:
         """{gpu: GpuCounters} for the readable GPUs: one nvmlDeviceGetFieldValues call each."""
-        nvml, names = self._nvml, {v: k for k, v in TRAFFIC_FIELDS.items()}
+        nvml = self._nvml
+        names = {v: k for k, v in field_ids(nvml).items()}
         result = {}
         for gpu in self.readable:
             try:
@@ -373,7 +407,8 @@ class NvLinkCounterReader:
                     continue  # this value alone failed; its field's delta is left out (nvlink_traffic.traffic_delta)
                 member, bits = _VALUE_MEMBERS.get(int(answer.valueType), ("ullVal", 64))
                 values.append(CounterValue(names[int(answer.fieldId)], int(answer.scopeId),
-                                           int(getattr(answer.value, member)), bits))
+                                           int(getattr(answer.value, member)), bits,
+                                           max(0, int(getattr(answer, "timestamp", 0) or 0))))
             result[gpu] = GpuCounters(gpu, now, tuple(values))
         return result
 
