@@ -18,7 +18,7 @@ from tf_nvlink.tools.doctor import outputs
 from tf_nvlink.tools.doctor.breakdown import gaps, merge, overlap, replica_breakdown
 from tf_nvlink.tools.doctor.diagnosis import diagnose_space, diagnose_trace
 from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
-from tf_nvlink.tools.doctor.trace import classify, gpu_activity, load_space
+from tf_nvlink.tools.doctor.trace import classify, gpu_activity, load_space, parse_memcpy_details
 from tf_nvlink.tools.doctor.verdict import GAP_REMOVED_BY_MULTI_STEP, PINNED_COPY_GB_PER_S, StepContext, diagnose
 
 FIXTURE = Path(__file__).parent / "fixtures" / "step_doctor_resnet50"  # --trace_out tests/tools/fixtures
@@ -26,9 +26,11 @@ MS = 10**9  # picoseconds per ms
 RESNET_BYTES = 102_236_160
 
 
-def xspace(gpus: dict):
-    """An XSpace with one plane per GPU: {plane name: [(event name, start_ms, duration_ms), ...]}, all on one
-    "Stream #7(Compute)" line, plus a host plane and a non-Stream annotation line that must be ignored."""
+def xspace(gpus: dict, details_as_ref=False):
+    """An XSpace with one plane per GPU: {plane name: [(event name, start_ms, duration_ms[, memcpy_details]), ...]},
+    all on one "Stream #7(Compute)" line, plus a host plane and a non-Stream annotation line that must be ignored.
+    A fourth item is the event's `memcpy_details` stat, stored as text (or, `details_as_ref`, as a reference to a
+    stat metadata name, as XPlane may store repeated strings)."""
     from tf_nvlink.internals import tf_runtime as internals
 
     pb = internals.xplane_protobuf_module()
@@ -37,14 +39,22 @@ def xspace(gpus: dict):
     for plane_name, events in gpus.items():
         plane = space.planes.add(name=plane_name)
         ids = {}
-        for name, _, _ in events:
+        for name, *_ in events:
             if name not in ids:
                 ids[name] = len(ids) + 1
                 plane.event_metadata[ids[name]].id = ids[name]
                 plane.event_metadata[ids[name]].name = name
+        plane.stat_metadata[1].id, plane.stat_metadata[1].name = 1, "memcpy_details"
         line = plane.lines.add(name="Stream #7(Compute)", timestamp_ns=1_000_000)
-        for name, start_ms, duration_ms in events:
-            line.events.add(metadata_id=ids[name], offset_ps=int(start_ms * MS), duration_ps=int(duration_ms * MS))
+        for name, start_ms, duration_ms, *details in events:
+            event = line.events.add(metadata_id=ids[name], offset_ps=int(start_ms * MS),
+                                    duration_ps=int(duration_ms * MS))
+            if details and details_as_ref:
+                ref = 100 + len(plane.stat_metadata)
+                plane.stat_metadata[ref].id, plane.stat_metadata[ref].name = ref, details[0]
+                event.stats.add(metadata_id=1, ref_value=ref)
+            elif details:
+                event.stats.add(metadata_id=1, str_value=details[0])
         annotation = plane.lines.add(name="XLA Ops", timestamp_ns=1_000_000)
         annotation.events.add(metadata_id=1, offset_ps=0, duration_ps=int(1000 * MS))
     return space
@@ -77,6 +87,73 @@ def test_classify_names_each_kind():
     assert classify("MemcpyDtoH") == "d2h"
     assert classify("Memset") == "d2d"
     assert classify("loop_convolution_fusion") == "compute"
+
+
+PAGEABLE_H2D = "kind_src:pageable kind_dst:device size:{} dest:0 async:1"
+PINNED_H2D = "kind_src:pinned kind_dst:device size:{} dest:0 async:1"
+P2P = "kind_src:device kind_dst:device size:{} dest:1 async:1"
+
+
+def test_classify_reads_each_copy_kind_from_the_trace():
+    """CUPTI's copy event names and, for MemcpyOther, the memcpy_details memory kinds; copy kernels keep the
+    name rule (the fixture's memcpy32_post / memcpy128 inside CUDA graphs are copies, as before)."""
+    assert classify("MemcpyP2P", P2P.format(4096)) == "p2p" and classify("MemcpyP2P") == "p2p"
+    assert classify("MemcpyH2D", PAGEABLE_H2D.format(8)) == "h2d" and classify("MemcpyD2D") == "d2d"
+    assert classify("MemcpyD2H", "kind_src:device kind_dst:pinned size:8 dest:0 async:1") == "d2h"
+    assert classify("MemcpyOther", "kind_src:pinned kind_dst:device size:8 dest:0 async:0") == "h2d"
+    assert classify("MemcpyOther", "kind_src:device kind_dst:pageable size:8 dest:0 async:0") == "d2h"
+    assert classify("MemcpyOther", "kind_src:device kind_dst:managed size:8 dest:0 async:0") == "d2d"
+    assert classify("memcpy32_post") == "d2d" and classify("Memset 3") == "d2d"
+    assert parse_memcpy_details(PINNED_H2D.format(5)) == {"kind_src": "pinned", "kind_dst": "device", "size": "5",
+                                                           "dest": "0", "async": "1"}
+
+
+@pytest.mark.parametrize("as_ref", [False, True])
+def test_peer_copies_are_all_reduce_time_hidden_or_exposed_not_other_copies(as_ref):
+    """A reduce_to_one-style step: peer copies (MemcpyP2P), half of them under compute, and a device copy."""
+    events = []
+    for step in range(2):
+        t = step * 20.0
+        events += [("fusion", t, 10.0), ("MemcpyP2P", t + 9.0, 2.0, P2P.format(50_000_000)),
+                   ("MemcpyD2D", t + 12.0, 0.5, "kind_src:device kind_dst:device size:100 dest:0 async:1")]
+    (activity,) = gpu_activity(xspace({"/device:GPU:0": events}, details_as_ref=as_ref)).values()
+    assert activity.copy_bytes["p2p"] == 100_000_000
+    b = replica_breakdown(activity, step_ms=20.0, steps=2, calls=2)
+    assert b.peer_copy_ms == pytest.approx(2.0) and b.collective_ms == pytest.approx(2.0)
+    assert b.hidden_collective_ms == pytest.approx(1.0) and b.exposed_collective_ms == pytest.approx(1.0)
+    assert b.other_copies_ms == pytest.approx(0.5)  # the device copy alone
+    assert b.compute_ms == pytest.approx(10.0) and b.h2d_pageable_ms == b.h2d_pinned_ms == 0
+
+
+def test_host_memory_of_the_input_copy_is_read_from_the_stat():
+    """pinned or pageable from memcpy_details whatever the rate; the rate's guess only without the stat."""
+    batch = dataclasses.replace(CONTEXT_1, batch_bytes=5_000_000)  # 5 MB in 1 ms: 5 GB/s, below the threshold
+
+    def copy_of(details):
+        events = [(name, start, duration, details.format(5_000_000)) if name == "MemcpyH2D" and details else
+                  (name, start, duration) for name, start, duration in host_bound_steps()]
+        report, _ = diagnose_space(xspace({"/device:GPU:0": events}), step_ms=30.0, steps=4, calls=4, context=batch)
+        return report
+
+    pinned = copy_of(PINNED_H2D)
+    assert pinned["input_copy"]["host_memory"] == "pinned" and pinned["input_copy"]["note"] == ""
+    assert pinned["input_copy"]["host_memory_from"] == "trace" and pinned["mean"]["h2d_pinned_ms"] == pytest.approx(1.0)
+    pageable = copy_of(PAGEABLE_H2D)
+    assert pageable["input_copy"]["host_memory"] == "pageable" and "memcpy_details" in pageable["input_copy"]["note"]
+    assert pageable["mean"]["h2d_pageable_ms"] == pytest.approx(1.0)
+    guessed = copy_of(None)
+    assert guessed["input_copy"]["host_memory_from"] == "rate" and guessed["input_copy"]["host_memory"] == "pageable"
+    # the verdict and the breakdown do not depend on the stat
+    for report in (pinned, pageable):
+        assert report["verdict"] == guessed["verdict"]
+        assert {k: report["mean"][k] for k in ("compute_ms", "idle_ms", "exposed_h2d_ms", "collective_ms")} == {
+            k: guessed["mean"][k] for k in ("compute_ms", "idle_ms", "exposed_h2d_ms", "collective_ms")}
+    fast_pageable = dataclasses.replace(CONTEXT_1, batch_bytes=50_000_000)  # 50 GB/s, yet pageable by the stat
+    events = [(n, a, d, PAGEABLE_H2D.format(50_000_000)) if n == "MemcpyH2D" else (n, a, d)
+              for n, a, d in host_bound_steps()]
+    report, _ = diagnose_space(xspace({"/device:GPU:0": events}), step_ms=30.0, steps=4, calls=4,
+                               context=fast_pageable)
+    assert report["input_copy"]["host_memory"] == "pageable"
 
 
 def test_breakdown_arithmetic_on_a_synthetic_trace():
@@ -423,6 +500,12 @@ def test_gpu_fixture_reads_into_a_verdict():
         assert mean[key] == pytest.approx(printed, abs=1e-3), key
     assert mean["idle_ms"] == pytest.approx(mean["step_ms"] - mean["busy_ms"], abs=1e-3)
     assert report["verdict"]["advice"][0]["change"] == "steps_per_execution=16"
+    # the input's copy: pageable host memory, as the trace's memcpy_details says (per step 128 uint8 images of
+    # 224x224x3 and 128 int32 labels)
+    (activity,) = gpu_activity(load_space(report["trace"])).values()
+    assert activity.h2d_memory["pageable"].bytes == 10 * (19_267_584 + 512) and activity.copy_bytes.get("p2p", 0) == 0
+    assert mean["h2d_pageable_ms"] == pytest.approx(3.4294, abs=1e-3) and mean["peer_copy_ms"] == 0
+    assert mean["other_copies_ms"] == pytest.approx(0.335, abs=1e-3)
 
 
 @pytest.mark.slow  # two TensorFlow fits in a subprocess: about 15 s

@@ -1,8 +1,11 @@
 """Where one replica's step time goes, from its GPU's activity in a profiled window.
 
 Per step (ms): `compute` = the union of the compute kernels' intervals; `collective` = the union of the NCCL /
-all-reduce kernels', split into `hidden` (overlapped by compute) and `exposed`; `h2d` = host-to-device copies,
-`exposed_h2d` the part not overlapped by compute; `busy` = the union of everything on the GPU; `idle` = step -
+all-reduce kernels' and the peer-to-peer copies' (`peer_copy`, the trace's `MemcpyP2P`: what `reduce_to_one` and
+`hierarchical` all-reduces are made of), split into `hidden` (overlapped by compute) and `exposed`; `h2d` =
+host-to-device copies, `exposed_h2d` the part not overlapped by compute, `h2d_pageable` and `h2d_pinned` the
+copies from each host memory as their `memcpy_details` stat says (both 0 where the trace does not say);
+`other_copies` = device-to-host and device-to-device copies and memsets; `busy` = the union of everything on the GPU; `idle` = step -
 busy (the GPU waits for the host). `per_call_gap` is the mean of the `calls - 1` longest gaps between busy
 intervals, where `calls` is how many training-function calls the window made: the gap each call pays on the
 host between its predecessor's last kernel and its own first, which `steps_per_execution` pays once per N steps.
@@ -89,6 +92,9 @@ class ReplicaBreakdown:
     calls_per_step: float
     top_kernels: tuple[tuple[str, float], ...]
     boundary_idle_ms: float = 0.0
+    peer_copy_ms: float = 0.0
+    h2d_pageable_ms: float = 0.0
+    h2d_pinned_ms: float = 0.0
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -104,7 +110,8 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
         raise ValueError(f"steps and calls must be >= 1 and step_ms > 0. Received: steps={steps}, calls={calls}, "
                          f"step_ms={step_ms}")
     kinds = {kind: merge(ivs) for kind, ivs in activity.intervals.items()}
-    compute, collective, h2d = kinds["compute"], kinds["collective"], kinds["h2d"]
+    compute, h2d = kinds["compute"], kinds["h2d"]
+    collective = merge(kinds["collective"] + kinds.get("p2p", []))
     everything = merge(iv for ivs in kinds.values() for iv in ivs)
     per_step = 1.0 / (steps * PS_PER_MS)
     collective_ps, h2d_ps = length(collective), length(h2d)
@@ -128,7 +135,15 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
         busy_ms=busy_ms, idle_ms=max(step_ms - busy_ms, 0.0), per_call_gap_ms=per_call_gap_ms,
         calls_per_step=calls / steps,
         top_kernels=tuple((name[:80], duration * per_step) for name, duration in top_kernels),
-        boundary_idle_ms=boundary_idle_ms)
+        boundary_idle_ms=boundary_idle_ms, peer_copy_ms=length(kinds.get("p2p", [])) * per_step,
+        h2d_pageable_ms=_memory_ps(activity, "pageable") * per_step,
+        h2d_pinned_ms=_memory_ps(activity, "pinned") * per_step)
+
+
+def _memory_ps(activity: GpuActivity, memory: str) -> int:
+    """The time (ps) covered by host-to-device copies from one host memory."""
+    total = activity.h2d_memory.get(memory)
+    return length(merge(total.intervals)) if total else 0
 
 
 def mean_breakdown(replicas: Sequence[ReplicaBreakdown]) -> ReplicaBreakdown:

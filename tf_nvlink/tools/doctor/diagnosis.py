@@ -25,34 +25,53 @@ def context_dict(context: StepContext) -> dict:
     return out
 
 
-# Below this host-to-device rate a copy looks like one from pageable host memory (1x H200, PCIe gen5: pageable
-# 5.6 GB/s, pinned 55.5 GB/s; docs/results.md).
+# Where the trace's copies carry no memcpy_details stat (which names the host memory), a host-to-device rate below
+# this one is taken for a copy from pageable host memory (1x H200, PCIe gen5: pageable 5.6 GB/s, pinned 55.5 GB/s;
+# docs/results.md).
 PAGEABLE_COPY_GBPS = 15.0
 # Below this many bytes per step the copies' fixed cost (microseconds each) sets their rate, whatever the memory
 # (the 368M Transformer's 16 KiB of tokens per step copied at 2-5 GB/s from pinned memory, 1x H200).
 SMALL_COPY_BYTES = 1 << 20
+# The host memory that holds this share of the copy time names the input's copy (a few small copies from the other,
+# such as a step counter's, do not make it "mixed").
+MAIN_MEMORY_SHARE = 0.9
 
 
 def input_copy(mean: dict, context: StepContext) -> Optional[dict]:
-    """The input's host-to-device copy per step: bytes (one replica's batch), the GPU's copy time and its rate
-    (GB/s, 1e9 bytes); None when the batch's size or the copies are unknown.
+    """The input's host-to-device copy per step: bytes (one replica's batch), the GPU's copy time, its rate
+    (GB/s, 1e9 bytes) and the host memory it came from: "pageable", "pinned" or "mixed" as the copies'
+    memcpy_details stat says (`host_memory_from` "trace"), else guessed from the rate (`host_memory_from` "rate":
+    below PAGEABLE_COPY_GBPS, "pageable"; None when the rate cannot tell). None when the batch's size or the
+    copies are unknown.
 
     Example:
-        >>> input_copy({"h2d_ms": 3.43, "exposed_h2d_ms": 3.10}, context)     # 128 uint8 224x224x3 images
-        {'bytes_per_step': 19267584, 'ms_per_step': 3.43, 'gb_per_s': 5.62, 'exposed_ms_per_step': 3.1, ...}
+        >>> input_copy({"h2d_ms": 3.43, "exposed_h2d_ms": 3.10, "h2d_pageable_ms": 3.43}, context)   # 128 uint8 images
+        {'bytes_per_step': 19267584, 'ms_per_step': 3.43, 'gb_per_s': 5.62, 'host_memory': 'pageable', ...}
     """
     if not context.batch_bytes or not mean.get("h2d_ms", 0) > 0:
         return None
     rate = context.batch_bytes / (mean["h2d_ms"] * 1e-3) / 1e9
+    pageable_ms, pinned_ms = mean.get("h2d_pageable_ms", 0.0), mean.get("h2d_pinned_ms", 0.0)
+    memory, source = None, None
+    if pageable_ms > 0 or pinned_ms > 0:
+        share = pageable_ms / (pageable_ms + pinned_ms)
+        memory = "pageable" if share >= MAIN_MEMORY_SHARE else "pinned" if share <= 1 - MAIN_MEMORY_SHARE else "mixed"
+        source = "trace"
     if context.batch_bytes < SMALL_COPY_BYTES:
         note = "a small copy: its fixed cost, not the host memory, sets the rate"
+    elif source == "trace":
+        note = {"pageable": "from pageable host memory (the trace's memcpy_details): pinned memory copies faster",
+                "pinned": "",
+                "mixed": f"{pageable_ms:.2f} ms from pageable and {pinned_ms:.2f} ms from pinned host memory (the "
+                         f"trace's memcpy_details)"}[memory]
     elif rate < PAGEABLE_COPY_GBPS:
         note = f"below {PAGEABLE_COPY_GBPS:.0f} GB/s: the rate of a copy from pageable host memory"
+        memory, source = "pageable", "rate"
     else:
         note = ""
     return {"bytes_per_step": int(context.batch_bytes), "ms_per_step": round(mean["h2d_ms"], 4),
             "gb_per_s": round(rate, 2), "exposed_ms_per_step": round(mean.get("exposed_h2d_ms", 0.0), 4),
-            "note": note}
+            "host_memory": memory, "host_memory_from": source, "note": note}
 
 
 def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepContext,

@@ -5,6 +5,12 @@ Each GPU is a plane named `/device:GPU:N`; its lines named `Stream #...` hold wh
 memory copies), each event with an offset and a duration in picoseconds from the line's timestamp (ns) and a
 metadata id naming it. The host is the plane `/host:CPU`.
 
+A copy is classified by what the trace says of it: CUPTI names each copy event by its kind (`MemcpyH2D`,
+`MemcpyD2H`, `MemcpyD2D`, `MemcpyP2P`, `MemcpyOther`) and TensorFlow gives it a `memcpy_details` stat
+(`kind_src:pageable kind_dst:device size:19267584 dest:0 async:1`): the memory on each side (`pageable`, `pinned`,
+`device`, `managed`, ...) and the bytes. Peer-to-peer copies (`MemcpyP2P`, what `reduce_to_one` and `hierarchical`
+all-reduces are made of) are communication, kind "p2p". Kernels and events without the stat keep the name rules.
+
 Example:
     >>> activity = read_gpu_activity(find_trace("/tmp/doctor/profile"))
     >>> activity["/device:GPU:0"].intervals["collective"][:2]
@@ -20,7 +26,11 @@ import os
 import shutil
 from typing import Optional
 
-KINDS = ("compute", "collective", "h2d", "d2h", "d2d")
+KINDS = ("compute", "collective", "p2p", "h2d", "d2h", "d2d")
+# CUPTI's names of copy events (TensorFlow's cupti_collector) -> kind. MemcpyOther is read from memcpy_details.
+_COPY_EVENT_KINDS = {"memcpyh2d": "h2d", "memcpyd2h": "d2h", "memcpyd2d": "d2d", "memcpyp2p": "p2p"}
+# memcpy_details' memory kinds on the host side (CUPTI_ACTIVITY_MEMORY_KIND_*, as TensorFlow names them)
+HOST_MEMORY_KINDS = ("pageable", "pinned")
 
 # Substrings (lower case) of event names that make an event one kind. NCCL's kernels are ncclDevKernel_* /
 # ncclKernel_*; XLA's own all-reduce thunks and TensorFlow's collective ops carry "allreduce"/"all-reduce".
@@ -35,15 +45,51 @@ class TraceError(RuntimeError):
     """The profiler's output is missing or unreadable; the message says which file and why."""
 
 
-def classify(event_name: str) -> str:
-    """The kind of a GPU event from its name: "collective", "h2d", "d2h", "d2d" (other copies, memsets) or
-    "compute" (every other kernel).
+def parse_memcpy_details(text: str) -> dict:
+    """The fields of a `memcpy_details` stat, as strings ({} for an empty one).
+
+    Example:
+        >>> parse_memcpy_details("kind_src:pageable kind_dst:device size:19267584 dest:0 async:1")
+        {'kind_src': 'pageable', 'kind_dst': 'device', 'size': '19267584', 'dest': '0', 'async': '1'}
+    """
+    fields = {}
+    for part in (text or "").split():
+        key, sep, value = part.partition(":")
+        if sep:
+            fields[key] = value
+    return fields
+
+
+def _copy_kind_from_details(details: dict) -> Optional[str]:
+    src, dst = details.get("kind_src", ""), details.get("kind_dst", "")
+    host_src, host_dst = src in HOST_MEMORY_KINDS, dst in HOST_MEMORY_KINDS
+    if host_src and not host_dst and dst:
+        return "h2d"
+    if host_dst and not host_src and src:
+        return "d2h"
+    if src and dst and not host_src and not host_dst:
+        return "d2d"
+    return None
+
+
+def classify(event_name: str, memcpy_details: Optional[str] = None) -> str:
+    """The kind of a GPU event: "collective" (NCCL and all-reduce kernels), "p2p" (peer-to-peer copies), "h2d",
+    "d2h", "d2d" (other copies, memsets) or "compute" (every other kernel). A copy event's kind is CUPTI's name for
+    it (`MemcpyP2P`, ...) or, for `MemcpyOther`, its `memcpy_details` stat's memory kinds; other events go by name.
 
     Example:
         >>> classify("ncclDevKernel_AllReduce_Sum_f32_RING_LL")
         'collective'
+        >>> classify("MemcpyP2P", "kind_src:device kind_dst:device size:1048576 dest:1 async:1")
+        'p2p'
     """
     low = event_name.lower()
+    if low in _COPY_EVENT_KINDS:
+        return _COPY_EVENT_KINDS[low]
+    if memcpy_details:
+        kind = _copy_kind_from_details(parse_memcpy_details(memcpy_details))
+        if kind:
+            return kind
     if any(mark in low for mark in _COLLECTIVE_MARKS):
         return "collective"
     if any(mark in low for mark in _H2D_MARKS):
@@ -56,13 +102,28 @@ def classify(event_name: str) -> str:
 
 
 @dataclasses.dataclass
+class CopyTotal:
+    """Copies of one kind from one host memory (or "unknown" where the trace has no memcpy_details): how many,
+    their bytes (from the stat; 0 where unknown) and their summed duration (ps)."""
+
+    count: int = 0
+    bytes: int = 0
+    duration_ps: int = 0
+    intervals: list = dataclasses.field(default_factory=list)  # (start_ps, end_ps)
+
+
+@dataclasses.dataclass
 class GpuActivity:
     """What one GPU plane of a trace holds: per kind, the (start_ps, end_ps) of every event, and the summed
-    duration of each event name (for the busiest kernels)."""
+    duration of each event name (for the busiest kernels). `h2d_memory`: the host-to-device copies by the host
+    memory their memcpy_details names ("pageable", "pinned", "managed", ..., "unknown" without the stat);
+    `copy_bytes`: the bytes the stat gives per copy kind."""
 
     plane: str
     intervals: dict[str, list[tuple[int, int]]]
     time_by_name: dict[str, int]
+    h2d_memory: dict[str, CopyTotal] = dataclasses.field(default_factory=dict)
+    copy_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def events(self) -> int:
@@ -116,8 +177,11 @@ def gpu_activity(space) -> dict[str, GpuActivity]:
         if not plane.name.startswith("/device:GPU:"):
             continue
         names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        details_ids = {key for key, meta in plane.stat_metadata.items() if meta.name == "memcpy_details"}
         intervals: dict[str, list[tuple[int, int]]] = {kind: [] for kind in KINDS}
         time_by_name: dict[str, int] = {}
+        h2d_memory: dict[str, CopyTotal] = {}
+        copy_bytes: dict[str, int] = {}
         for line in plane.lines:
             if not line.name.startswith("Stream"):
                 continue  # "XLA Ops", "XLA Modules", "Launch Stats": annotations over the same kernels
@@ -125,12 +189,37 @@ def gpu_activity(space) -> dict[str, GpuActivity]:
             for event in line.events:
                 name = names.get(event.metadata_id, "")
                 start = base_ps + event.offset_ps
-                intervals[classify(name)].append((start, start + event.duration_ps))
+                details = _stat_text(plane, event, details_ids) if details_ids else None
+                kind = classify(name, details)
+                interval = (start, start + event.duration_ps)
+                intervals[kind].append(interval)
                 time_by_name[name] = time_by_name.get(name, 0) + event.duration_ps
-        activity = GpuActivity(plane.name, intervals, time_by_name)
+                if details is not None or kind in ("h2d", "d2h", "p2p"):
+                    fields = parse_memcpy_details(details or "")
+                    size = int(fields["size"]) if fields.get("size", "").isdigit() else 0
+                    copy_bytes[kind] = copy_bytes.get(kind, 0) + size
+                    if kind == "h2d":
+                        total = h2d_memory.setdefault(fields.get("kind_src") or "unknown", CopyTotal())
+                        total.count += 1
+                        total.bytes += size
+                        total.duration_ps += event.duration_ps
+                        total.intervals.append(interval)
+        activity = GpuActivity(plane.name, intervals, time_by_name, h2d_memory, copy_bytes)
         if activity.events:
             found[plane.name] = activity
     return dict(sorted(found.items(), key=lambda item: _plane_number(item[0])))
+
+
+def _stat_text(plane, event, stat_ids) -> Optional[str]:
+    """The text of the event's stat whose metadata id is in `stat_ids` (a string, or a reference to a stat
+    metadata name, as XPlane stores repeated strings); None when the event has none."""
+    for stat in event.stats:
+        if stat.metadata_id in stat_ids:
+            if stat.HasField("str_value"):
+                return stat.str_value
+            if stat.HasField("ref_value") and stat.ref_value in plane.stat_metadata:
+                return plane.stat_metadata[stat.ref_value].name
+    return None
 
 
 def _plane_number(name: str) -> int:
