@@ -33,7 +33,7 @@ def test_cpu_candidates_leave_out_what_needs_gpus():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--steps", "0"], "should be >= 1"),
+    (["--steps", "0"], "argument --steps: should be a positive integer"),
     (["--steps", "10", "--long_steps", "5"], "--long_steps should be 0 or more than --steps=10"),
     (["--candidates", "auto@turbo"], "turbo"),
 ])

@@ -49,3 +49,15 @@ def test_usage_error_goes_through_the_subcommands_parser(capsys):
     assert info.value.code == 2 and "--sizes: nothing to measure" in capsys.readouterr().err
     assert cli_args.usage_error(argparse.Namespace(), "no parser") == 2
     assert "tf-nvlink bench: error: no parser" in capsys.readouterr().err
+
+
+def test_parser_spellings_leave_unknown_tokens_and_everything_after_double_dash():
+    parser = cli_args.Parser(prog="p")
+    parser.add_argument("--max_size")
+    parser.add_argument("--jit", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("rest", nargs="*")
+    assert parser.normalize(["--max-size=3", "--nojit", "--maxsize", "--", "--max-size"]) == [
+        "--max_size=3", "--no-jit", "--maxsize", "--", "--max-size"]
+    assert parser.normalize(["--nojit=1"]) == ["--nojit=1"]  # a value on a negative flag: argparse's error
+    args = parser.parse_args(["--max-size", "1", "--no_jit", "--", "--max-size"])
+    assert (args.max_size, args.jit, args.rest) == ("1", False, ["--max-size"])

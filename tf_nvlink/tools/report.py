@@ -369,9 +369,10 @@ HELP = "GPUs, NVLink links, TensorFlow's view and the plan tf_nvlink would use (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `tf-nvlink report` options."""
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--no-tf", dest="no_tf", action="store_true",
-                        help="skip TensorFlow (NVML facts only; instant, does not touch the GPUs)")
+    parser.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
+                        help="print JSON instead of text")
+    parser.add_argument("--tf", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask TensorFlow too (default); --no-tf: NVML facts only, instant, does not touch the GPUs")
     nvlink_traffic.add_traffic_argument(parser)
 
 
@@ -379,9 +380,9 @@ def run(args: argparse.Namespace) -> int:
     """`tf-nvlink report`: print the report; 0 also on a machine without GPUs."""
     if getattr(args, "nvlink_traffic", None) is not None or getattr(args, "nvlink_watch", None) is not None:
         return nvlink_traffic.traffic_command_from_args(args)
-    if not args.no_tf:
+    if args.tf:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter off the report
-    data = collect(with_tf=not args.no_tf)
+    data = collect(with_tf=args.tf)
     print(to_json(data) if args.json else render_text(data), end="\n" if args.json else "")
     return 0
 

@@ -203,13 +203,15 @@ def autotune_choice(topology, gpus: Sequence[int], grad_bytes: Optional[int] = N
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `tf-nvlink tune` options."""
     cli.add_common_arguments(parser, DEFAULT_CANDIDATES, None)
-    parser.add_argument("--grad_bytes", "--grad-bytes", dest="grad_bytes", type=argtype(specs.parse_size),
+    parser.add_argument("--grad_bytes", type=argtype(specs.parse_size),
                         default=None, help="the model's total gradient size (e.g. 98M for ResNet-50 in float32); "
                                            "measured instead of the default sizes")
-    parser.add_argument("--nostore", "--no-store", dest="store", action="store_false",
-                        help="measure and print the winner, but do not store it")
-    parser.add_argument("--list", action="store_true", help="print the stored winners and the cache path, and exit")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    parser.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
+                        help="store the winner (default); --no-store: measure and print it only")
+    parser.add_argument("--list", action=argparse.BooleanOptionalAction, default=False,
+                        help="print the stored winners and the cache path, and exit")
+    parser.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
+                        help="print the result as JSON instead of text")
 
 
 def _render_entries(path: str) -> str:
@@ -238,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             problem = cache_unusable_reason(cache_path())
             if problem:  # now, not after minutes of measuring
                 raise specs.BenchError(f"the autotune cache {cache_path()} cannot be written: {problem}. Set "
-                                       f"TF_NVLINK_CACHE_DIR to a writable folder, or pass --nostore.")
+                                       f"TF_NVLINK_CACHE_DIR to a writable folder, or pass --no-store.")
         result = tune(gpus=args.gpus, sizes=args.sizes, grad_bytes=args.grad_bytes, candidates=args.candidates,
                       devices=args.devices, iters=args.iters, warmup=args.warmup, repeats=args.repeats, env=env,
                       store_result=False, timeout=args.timeout)
@@ -286,7 +288,7 @@ def _print_result(args: argparse.Namespace, result: TuneResult, env: dict) -> in
     elif args.store:
         lines.append(f"# not stored: the cache {cache_path()} could not be written (the error follows)")
     else:
-        lines.append(f"# not stored (--nostore); the cache is {cache_path()}")
+        lines.append(f"# not stored (--no-store); the cache is {cache_path()}")
     sys.stdout.write(text + "#\n" + "\n".join(lines) + "\n")
     return render.exit_code(result.records)
 

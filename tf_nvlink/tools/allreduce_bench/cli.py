@@ -9,7 +9,8 @@ import sys
 from typing import Optional, Sequence
 
 from tf_nvlink.util import atomic_files
-from tf_nvlink.util.cli_args import argtype, command_line, non_negative, positive, run_as_module, usage_error
+from tf_nvlink.util.cli_args import (argtype, command_line, non_negative, plot_file, positive, run_as_module,
+                                     usage_error)
 from tf_nvlink.tools.allreduce_bench.render import (check_plot_available, exit_code, plot, record_problem, render_p2p_ratio,
                                     render_summary, render_text, result_line)
 from tf_nvlink.tools.allreduce_bench.runner import measure, skipped_records
@@ -49,17 +50,17 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_candidates: st
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `tf-nvlink bench` options."""
     add_common_arguments(parser, DEFAULT_CANDIDATES, ",".join(format_size(s) for s in DEFAULT_SIZES))
-    parser.add_argument("--max_size", "--max-size", dest="max_size", type=argtype(parse_size), default=None,
+    parser.add_argument("--max_size", type=argtype(parse_size), default=None,
                         help="drop sizes above this (e.g. 256M on small GPUs)")
-    parser.add_argument("--compare_p2p", "--compare-p2p", dest="compare_p2p", action="store_true",
+    parser.add_argument("--compare_p2p", action=argparse.BooleanOptionalAction, default=False,
                         help="run each candidate twice, normally and with NCCL_P2P_DISABLE=1, and print the NVLink "
                              "speed-up per size")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                         help="write the records as JSON to FILE; bare --json prints JSON instead of the table")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=plot_file, default=None, metavar="FILE.png",
                         help="plot busbw against size, one line per candidate (needs matplotlib: "
-                             "pip install tf-nvlink[plot])")
-    parser.add_argument("--from_json", "--from-json", dest="from_json", default=None, metavar="FILE",
+                             "pip install tf-nvlink[plot]; imported when the flags are read)")
+    parser.add_argument("--from_json", default=None, metavar="FILE",
                         help="measure nothing: print the summary (and --plot) from records an earlier --json FILE "
                              "wrote, e.g. on a machine with matplotlib")
 

@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Sequence
 
 from tf_nvlink.tools.costmodel.model import (ALLREDUCE_BYTES_PER_ELEMENT, DEFAULT_FUSED_OVERLAP, DEFAULT_REPLICA_OVERHEAD_MS,
                                       LINKS, MIB, REPLICA_OVERHEAD_HOST_FED_MS, Prediction, Workload, predict)
+from tf_nvlink.util.cli_args import argtype, non_negative, positive, run_as_module
 
 
 # ---- tables ------------------------------------------------------------------------------------------------
@@ -47,26 +48,73 @@ def render_table(predictions: Iterable[Prediction]) -> str:
 
 # ---- command line ------------------------------------------------------------------------------------------
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m tf_nvlink.tools.costmodel --compute_ms 39.7 --gradient_mib 97.5`: 1/2/4/8 GPUs on every link type."""
-    parser = argparse.ArgumentParser(prog="python -m tf_nvlink.tools.costmodel", description=main.__doc__)
-    parser.add_argument("--compute_ms", type=float, required=True, help="one GPU's step time (ms)")
-    parser.add_argument("--gradient_mib", type=float, required=True, help="float32 gradients (MiB)")
-    parser.add_argument("--gradient_tensors", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=128, help="samples per GPU per step")
-    parser.add_argument("--packs", type=int, default=1, help="all-reduce calls per step (0: one per tensor)")
+HELP = "predicted step time and scaling on 1/2/4/8 GPUs of every link type, from one GPU's step and the gradients"
+
+
+def _gpu_counts(text: str) -> list[int]:
+    counts = [part.strip() for part in str(text).split(",")]
+    if not counts or not all(c.isdigit() and int(c) >= 1 for c in counts):
+        raise ValueError(f"should be a comma list of positive GPU counts such as 1,2,4,8. Received: {text!r}")
+    return [int(c) for c in counts]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"should be a positive number. Received: {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"should be a number from 0 to 1. Received: {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"should be a number >= 0. Received: {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `tf-nvlink costmodel` options."""
+    parser.add_argument("--compute_ms", type=_positive_float, required=True, help="one GPU's step time (ms)")
+    parser.add_argument("--gradient_mib", type=_positive_float, required=True, help="float32 gradients (MiB)")
+    parser.add_argument("--gradient_tensors", type=positive, default=1)
+    parser.add_argument("--batch", type=positive, default=128, help="samples per GPU per step")
+    parser.add_argument("--packs", type=non_negative, default=1, help="all-reduce calls per step (0: one per tensor)")
     parser.add_argument("--name", default="workload")
     parser.add_argument("--allreduce_dtype", default="float32", choices=sorted(ALLREDUCE_BYTES_PER_ELEMENT))
-    parser.add_argument("--fused_overlap", type=float, default=DEFAULT_FUSED_OVERLAP)
-    parser.add_argument("--replica_overhead_ms", type=float, default=DEFAULT_REPLICA_OVERHEAD_MS,
+    parser.add_argument("--fused_overlap", type=_fraction, default=DEFAULT_FUSED_OVERLAP)
+    parser.add_argument("--replica_overhead_ms", type=_non_negative_float, default=DEFAULT_REPLICA_OVERHEAD_MS,
                         help=f"per extra replica; host-fed ResNet-50 measured {REPLICA_OVERHEAD_HOST_FED_MS}")
-    parser.add_argument("--gpus", default="1,2,4,8", help="comma-separated GPU counts")
-    args = parser.parse_args(argv)
+    parser.add_argument("--gpus", type=argtype(_gpu_counts), default=[1, 2, 4, 8],
+                        help="comma-separated GPU counts (default 1,2,4,8)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`tf-nvlink costmodel --compute_ms 39.7 --gradient_mib 97.5`: 1/2/4/8 GPUs on every link type."""
     workload = Workload(args.compute_ms, round(args.gradient_mib * MIB), args.gradient_tensors, args.batch,
                         args.packs, args.name)
-    counts = [int(n) for n in args.gpus.split(",")]
     predictions = [predict(workload, link, n, allreduce_dtype=args.allreduce_dtype,
                            fused_overlap=args.fused_overlap, replica_overhead_ms=args.replica_overhead_ms)
-                   for link in LINKS.values() for n in counts]
+                   for link in LINKS.values() for n in args.gpus]
     print(render_table(predictions))
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m tf_nvlink.tools.costmodel ...`: the same as `tf-nvlink costmodel ...`."""
+    return run_as_module("tf_nvlink.tools.costmodel", HELP, add_arguments, run, argv)

@@ -38,7 +38,7 @@ The models and their input are in `models`, the worker that trains one candidate
 module runs the workers and renders the table.
 
 Example:
-    $ python -m tf_nvlink.tools.training_bench --model resnet50 --candidates 1gpu,stock,auto --jit
+    $ tf-nvlink train-bench --model resnet50 --candidates 1gpu,stock,auto --jit
     $ python -m tf_nvlink.tools.training_bench --model transformer --candidates 1gpu,auto,auto@nop2p,auto@bf16grad@nop2p
     $ python -m tf_nvlink.tools.training_bench --model resnet50 --candidates 1gpu,onedevice,auto,auto@nocudagraphs \\
           --steps 60 --long_steps 240
@@ -56,6 +56,7 @@ from tf_nvlink.tools import bench_stats
 from tf_nvlink.tools import bench_models
 from tf_nvlink.tools.training_bench.candidates import Candidate, parse_list
 from tf_nvlink.util import atomic_files, json_workers
+from tf_nvlink.util.cli_args import command_line, non_negative, positive, run_as_module, usage_error
 from tf_nvlink.util.error_lines import one_line_error
 
 MODELS = bench_models.BENCH_MODELS  # built by bench_models.build_bench_model
@@ -163,7 +164,7 @@ def _run_one(candidate: Candidate, *, model_name, batch, steps, jit, mixed, cpu_
     def worker_args(devices):
         return [sys.executable, "-m", "tf_nvlink.tools.training_bench", "--worker", "--model", model_name,
                 "--candidates", candidate.label, "--batch_per_replica", str(batch), "--steps", str(steps),
-                "--jit" if jit else "--nojit", "--mixed_precision" if mixed else "--nomixed_precision",
+                "--jit" if jit else "--no-jit", "--mixed_precision" if mixed else "--no-mixed_precision",
                 "--cpu_devices", str(devices), "--input", input_mode, "--warmup_steps", str(warmup_steps),
                 "--long_steps", str(long_steps), "--profile", profile_dir, "--profile_steps", str(profile_steps),
                 "--steps_per_execution", str(steps_per_execution)]
@@ -392,7 +393,7 @@ def _footer_lines(results: list[dict], ok: dict[Candidate, dict]) -> list[str]:
     if len({Candidate.parse(name).base for name in fused}) > 1:
         lines.append(f"# {', '.join(fused)}: the all-reduce ran inside XLA (fused mode), where TensorFlow uses its "
                      f"collective whatever the candidate's ops, so these rows differ by run-to-run noise only; "
-                     f"compare ops with NAME@split or --nojit")
+                     f"compare ops with NAME@split or --no-jit")
     rounds = max((len(r.get("rounds_examples_per_s", ())) for r in results), default=0)
     if rounds > 1:
         lines.append(f"# {rounds} rounds, candidates interleaved (even rounds in reverse order); each row is its "
@@ -428,56 +429,51 @@ def _doctor_line(profile: dict) -> str:
     return f"{said} ({profile.get('logdir', '')})"
 
 
-def _parser():
+HELP = "training throughput per strategy candidate (1 GPU, stock MirroredStrategy, tf_nvlink), each in its own process"
+
+
+def add_arguments(parser) -> None:
+    """The `tf-nvlink train-bench` options (also `python -m tf_nvlink.tools.training_bench`)."""
     import argparse  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m tf_nvlink.tools.training_bench",
-                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mlp", choices=MODELS)
     parser.add_argument("--candidates", default="1gpu,stock,auto")
-    parser.add_argument("--batch_per_replica", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--jit", dest="jit", action="store_true", default=True)
-    parser.add_argument("--nojit", dest="jit", action="store_false")
-    parser.add_argument("--mixed_precision", dest="mixed", action="store_true", default=None)
-    parser.add_argument("--nomixed_precision", dest="mixed", action="store_false")
-    parser.add_argument("--cpu_devices", type=int, default=0, help="run over N logical CPU devices (tests)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--batch_per_replica", type=positive, default=None)
+    parser.add_argument("--steps", type=positive, default=30)
+    parser.add_argument("--jit", action=argparse.BooleanOptionalAction, default=True,
+                        help="XLA (default); --no-jit: Keras without XLA")
+    parser.add_argument("--mixed_precision", dest="mixed", action=argparse.BooleanOptionalAction, default=None,
+                        help="mixed_bfloat16 (default: the model's own choice)")
+    parser.add_argument("--cpu_devices", type=non_negative, default=0, help="run over N logical CPU devices (tests)")
+    parser.add_argument("--rounds", type=positive, default=3,
                         help="run the candidate list this many times, interleaved (even rounds reversed), and "
                              "report medians with their spread (default 3)")
     parser.add_argument("--input", default="host", choices=INPUTS,
                         help="host: tf.data from host memory, as users train (default); device: the batch held on "
                              "each device (NAME@ondevice does this for one candidate)")
-    parser.add_argument("--warmup_steps", type=int, default=10,
+    parser.add_argument("--warmup_steps", type=positive, default=10,
                         help="steps of the untimed warm-up fit that compiles (default 10)")
-    parser.add_argument("--long_steps", type=int, default=0,
+    parser.add_argument("--long_steps", type=non_negative, default=0,
                         help="also time a fit of this many steps (more than --steps) in each round: the difference "
                              "gives the steady-state step time and the fixed cost of each fit call")
-    parser.add_argument("--steps_per_execution", type=int, default=1, help="Keras compile() option (default 1)")
+    parser.add_argument("--steps_per_execution", type=positive, default=1, help="Keras compile() option (default 1)")
     parser.add_argument("--profile", default="",
                         help="the step doctor on --profile_steps steps of each candidate (first round; its trace and report "
                              "into this folder, one subfolder per candidate, and record where the step time goes")
-    parser.add_argument("--profile_steps", type=int, default=10)
+    parser.add_argument("--profile_steps", type=positive, default=10)
     parser.add_argument("--json", default="", help="also write the records to this JSON file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return parser
 
 
-def main(argv=None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    counts = dict(steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps,
-                  profile_steps=args.profile_steps, steps_per_execution=args.steps_per_execution,
-                  batch_per_replica=1 if args.batch_per_replica is None else args.batch_per_replica)
-    if any(value < 1 for value in counts.values()):
-        parser.error(f"--{', --'.join(counts)} should be >= 1. Received: "
-                     + ", ".join(f"{k}={v}" for k, v in counts.items()))
+def run(args) -> int:
+    """`tf-nvlink train-bench`: run the candidates, print the table (and --json); 1 when a candidate failed."""
     if args.long_steps and args.long_steps <= args.steps:
-        parser.error(f"--long_steps should be 0 or more than --steps={args.steps}. Received: {args.long_steps}")
+        return usage_error(args, f"--long_steps should be 0 or more than --steps={args.steps}. "
+                                 f"Received: {args.long_steps}")
     try:
         candidates = parse_list(args.candidates)
     except ValueError as exc:
-        parser.error(str(exc))
+        return usage_error(args, f"--candidates: {exc}")
     if args.worker:
         from tf_nvlink.tools.training_bench.worker import run_worker  # noqa: PLC0415 - TensorFlow, in the worker only
 
@@ -486,8 +482,7 @@ def main(argv=None) -> int:
                             args.long_steps, args.profile, args.profile_steps, args.steps_per_execution)
         print(json.dumps(record), flush=True)
         return 0
-    print("# " + " ".join([os.path.basename(sys.executable), "-m", "tf_nvlink.tools.training_bench"]
-                          + (argv if argv is not None else sys.argv[1:])))
+    print("# " + command_line(args))
     results = run_candidates(args.model, candidates, args.batch_per_replica, args.steps, args.jit, args.mixed,
                              args.cpu_devices, rounds=args.rounds, input_mode=args.input,
                              warmup_steps=args.warmup_steps, long_steps=args.long_steps, profile_dir=args.profile,
@@ -496,6 +491,11 @@ def main(argv=None) -> int:
     if args.json:
         atomic_files.write_atomic(args.json, json.dumps(results, indent=1), mode=None)
     return 1 if any("error" in r for r in results) else 0
+
+
+def main(argv=None) -> int:
+    """`python -m tf_nvlink.tools.training_bench ...`: the same as `tf-nvlink train-bench ...`."""
+    return run_as_module("tf_nvlink.tools.training_bench", HELP, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""`tf-nvlink doctor` (also `python -m tf_nvlink.tools.doctor`): one fit of a benchmark model with the step
+doctor; prints its table and writes step_doctor.json/.png to --output_dir.
+
+    tf-nvlink doctor --model resnet50 --batch_per_replica 128 --output_dir doctor
+    tf-nvlink doctor --model convnet --batch_per_replica 8 --cpu_devices 2   # no GPU: says why
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from tf_nvlink.tools.bench_models import BENCH_MODELS
+from tf_nvlink.util.cli_args import non_negative, positive, run_as_module
+
+HELP = "one fit of a benchmark model with the step doctor: where the step time goes, a verdict and advice"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `tf-nvlink doctor` options."""
+    parser.add_argument("--model", default="resnet50", choices=BENCH_MODELS)
+    parser.add_argument("--batch_per_replica", type=positive, default=128)
+    parser.add_argument("--steps_per_execution", type=positive, default=1)
+    parser.add_argument("--warmup_steps", type=positive, default=20)
+    parser.add_argument("--window_steps", type=positive, default=10)
+    parser.add_argument("--cpu_devices", type=non_negative, default=0,
+                        help="logical CPU replicas instead of GPUs (0: GPUs)")
+    parser.add_argument("--output_dir", default="step_doctor")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`tf-nvlink doctor`: the fit and the doctor's files; 0 also when the doctor says why it has no breakdown."""
+    from tf_nvlink.tools.doctor import bench  # noqa: PLC0415 - TensorFlow, once the flags are good
+
+    strategy = bench.configure(cpu_devices=args.cpu_devices)
+    model, dataset, global_batch = bench.build(args.model, strategy, args.batch_per_replica,
+                                               args.steps_per_execution)
+    doctor = bench.doctor_fit(model, dataset, global_batch, args.output_dir, args.warmup_steps, args.window_steps)
+    print(f"step doctor: {doctor.files.get('json')}" + (f" ({doctor.unavailable})" if doctor.unavailable else ""))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m tf_nvlink.tools.doctor ...`: the same as `tf-nvlink doctor ...`."""
+    return run_as_module("tf_nvlink.tools.doctor", HELP, add_arguments, run, argv)
