@@ -68,6 +68,7 @@ def test_flags_take_dashes_or_underscores():
     assert parse(["bench", "--max-size", "1M"]).max_size == parse(["bench", "--max_size", "1M"]).max_size == 2**20
     assert parse(["costmodel", "--compute-ms", "3", "--gradient-mib", "1"]).compute_ms == 3.0
     assert parse(["report", "--nvlink-traffic", "2"]).nvlink_traffic == 2.0
+    assert parse(["doctor", "--log-dir", "logs"]).log_dir == "logs" and parse(["doctor"]).log_dir is None
 
 
 @pytest.mark.parametrize("command, positive, attribute, default", [

@@ -72,13 +72,15 @@ NAMING_CALLS = {"getattr", "hasattr", "setattr", "delattr", "patch", "patched", 
 
 
 def _private_name_touched(node) -> str | None:
-    """The private name `node` reads or writes: `obj._x`, `getattr`/`hasattr`/`setattr`/`delattr(obj, "_x")`, or
-    the registry's `patch(owner, "_x", ...)` and kin."""
+    """The private name `node` reads or writes: `obj._x`, `getattr`/`hasattr`/`setattr`/`delattr(obj, "_x")`, the
+    registry's `patch(owner, "_x", ...)` and kin, or a private keyword argument `f(_x=...)`."""
     function = node.func if isinstance(node, ast.Call) else None
     called = function.id if isinstance(function, ast.Name) else function.attr if isinstance(function, ast.Attribute) \
         else None
     if isinstance(node, ast.Attribute):
         name = node.attr
+    elif isinstance(node, ast.keyword) and node.arg:  # a private keyword argument: Trace(..., _r=1)
+        name = node.arg
     elif called in NAMING_CALLS and len(node.args) >= 2 \
             and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
         name = node.args[1].value
@@ -109,6 +111,8 @@ def test_only_internals_touches_private_keras_and_tensorflow():
      "touches private attribute ._num_workers"),
     ("def seam(registry, cls):\n    registry.patch(cls, '_moments', lambda original: original)\n",
      "touches private attribute ._moments"),
+    ("def mark(tf, step):\n    return tf.profiler.experimental.Trace('train', step_num=step, _r=1)\n",
+     "touches private attribute ._r"),
 ])
 def test_a_touch_added_elsewhere_is_named_with_file_and_line(tmp_path, source, expected):
     package = tmp_path / "tf_nvlink"

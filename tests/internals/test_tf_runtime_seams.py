@@ -32,3 +32,15 @@ def test_profiler_trace_format_and_kernels():
 
     assert {"XSpace", "XPlane", "XLine", "XEvent"} <= set(dir(tf_runtime.xplane_protobuf_module()))
     assert "def set_config_key_value" in inspect.getsource(context.Context)
+
+
+def test_step_trace_is_a_root_train_event_with_its_step():
+    """TensorFlow's Trace passes its keyword arguments to TraceMe as metadata (`train#step_num=5,_r=1#`), which the
+    profile plugin reads as a root step marker."""
+    import tensorflow as tf
+
+    from tf_nvlink.internals import tf_runtime
+
+    assert "**kwargs" in str(inspect.signature(tf.profiler.experimental.Trace.__init__))
+    with tf_runtime.step_trace(5):  # without a profiler running it records nothing and costs nothing
+        pass

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -345,9 +347,42 @@ def test_outputs_table_json_chart(tmp_path):
     assert json.loads(Path(path).read_text())["verdict"]["kind"] == "host-bound"
     events = outputs.write_tensorboard(report, str(tmp_path / "tb"), step=3)
     assert list(Path(events).glob("events.out.tfevents.*"))
+    assert summaries(events)["step_doctor/verdict"] == "text"
     pytest.importorskip("matplotlib")
     chart = outputs.write_chart(report, str(tmp_path / "doctor.png"))
     assert Path(chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = outputs.write_tensorboard(report, str(tmp_path / "tb2"), step=3, chart=chart)
+    written = summaries(events)
+    assert written["step_doctor/chart"] == "images" and written["step_doctor/verdict"] == "text"
+    assert written["step_doctor/compute_ms"] == "scalars"
+    assert "verdict: host-bound" in outputs.render_markdown(report)
+
+
+def summaries(directory) -> dict:
+    """{tag: TensorBoard plugin} of every summary in the event files under `directory` (TensorFlow's reader)."""
+    import tensorflow as tf
+
+    found = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                found[value.tag] = value.metadata.plugin_data.plugin_name
+    return found
+
+
+def step_markers(trace_path) -> list:
+    """(step_num, is root) of every `train` step marker on the host plane of the trace at `trace_path`."""
+    space = load_space(str(trace_path))
+    markers = []
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        stats = {key: meta.name for key, meta in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                if names.get(event.metadata_id) == "train":
+                    values = {stats.get(s.metadata_id): s.int64_value or s.uint64_value for s in event.stats}
+                    markers.append((values.get("step_num"), values.get("_r") == 1))
+    return sorted(markers)
 
 
 def test_input_copy_rate_from_the_batch_bytes_and_the_copy_time():
@@ -444,7 +479,7 @@ TWO_CPUS = scenarios.Scenario("doctor: 2 CPUs", _TWO_CPUS_PRELUDE, {
 def scenario_result(case, request):
     """The case's result; the folder it wrote goes when the test ends."""
     data = TWO_CPUS.result(case)
-    request.addfinalizer(lambda: shutil.rmtree(data["out"], ignore_errors=True))
+    request.config.add_cleanup(lambda: shutil.rmtree(data["out"], ignore_errors=True))  # tests share it
     return data
 
 
@@ -460,7 +495,42 @@ def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(request):
         "step_ms"]}
     assert json.loads(Path(data["files"]["json"]).read_text())["unavailable"] == data["unavailable"]
     assert data["history_doctor"] == data["report"]
-    assert list((Path(data["out"]) / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_the_doctor_traces_into_the_tensorboard_run_with_its_steps_marked(request):
+    """With a keras.callbacks.TensorBoard in the list, the window's trace is where TensorBoard's profile plugin reads
+    it (`<log_dir>/train/plugins/profile/<session>/<host>.xplane.pb`, uncompressed), each traced step is marked as
+    tf_keras' profile_batch marks it (a root `train` event with its step_num), and the verdict (here: why there is
+    no breakdown) is a text summary under `<log_dir>/step_doctor`."""
+    data = scenario_result("callback on cpu", request)
+    run = Path(data["out"]) / "tb"
+    (trace,) = (run / "train" / "plugins" / "profile").glob("*/*.xplane.pb")
+    assert re.fullmatch(r"\d{4}(_\d\d){5}", trace.parent.name), trace  # the profiler's session folder
+    assert data["files"]["profile"] == str(run / "train") and not (Path(data["out"]) / "profile").exists()
+    assert step_markers(trace) == [(10, True), (11, True), (12, True), (13, True)]  # the window's 4 steps
+    written = summaries(run / "step_doctor")
+    assert written == {"step_doctor/verdict": "text"}  # no breakdown on CPU: no scalars, no chart
+    assert data["report"]["trace"] == str(trace)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xprof") is None,
+                    reason="the profile plugin's converter (pip install tensorboard-plugin-profile, which brings "
+                           "xprof) is not installed")
+def test_the_profile_plugins_converter_reads_the_steps(request):
+    """TensorBoard's profile plugin (xprof) converts the doctor's trace into its overview page with the 4 steps."""
+    data = scenario_result("callback on cpu", request)
+    (trace,) = (Path(data["out"]) / "tb" / "train" / "plugins" / "profile").glob("*/*.xplane.pb")
+    code = ("import json, sys\n"
+            "from xprof.convert import _pywrap_profiler_plugin as plugin\n"
+            "data, ok = plugin.xspace_to_tools_data([sys.argv[1]], 'overview_page', {})\n"
+            "tables = json.loads(data)\n"
+            "steps = [row['c'][0]['v'] for t in tables if any(c['id'] == 'stepnum' for c in t.get('cols', []))\n"
+            "         for row in t.get('rows') or []]\n"
+            "print(json.dumps({'ok': ok, 'steps': steps}))\n")
+    result = run_python(["-c", code, str(trace)], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer == {"ok": True, "steps": ["train 10", "train 11", "train 12", "train 13"]}
     assert data["report"]["nvlink_bytes_per_step"].startswith("unavailable: one replica")
     assert data["overhead_s"] < 30
 
@@ -477,8 +547,11 @@ def test_doctor_on_two_replicas_reads_the_counters_and_writes_every_output(reque
     assert data["report"]["nvlink_bytes_per_step"] > 0  # the counters moved during the window
     assert set(data["files"]) >= {"json", "tensorboard"}
     assert list(Path(data["files"]["tensorboard"]).glob("events.out.tfevents.*"))
-    if "png" in data["files"]:  # matplotlib installed
+    written = summaries(data["files"]["tensorboard"])
+    assert written["step_doctor/verdict"] == "text" and written["step_doctor/compute_ms"] == "scalars"
+    if "png" in data["files"]:  # matplotlib installed: the chart as an image summary too
         assert Path(data["files"]["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert written["step_doctor/chart"] == "images"
 
 
 @pytest.mark.skipif(not (FIXTURE / "observation.json").exists(),

@@ -1,6 +1,6 @@
 """Seams in TensorFlow's runtime: XLA contexts, MirroredStrategy's merge_call switch, worker counts, device memory
 and kernels, the eager context (multi-worker start, coordination service, run metadata), a tf.function's jit
-flag, and the profiler's trace format.
+flag, the profiler's trace format and its step markers.
 
 Checked against TensorFlow 2.21 (setup.cfg's floor, what CI tests); pinned in tests/internals/test_tf_runtime_seams.py.
 
@@ -158,3 +158,11 @@ def xplane_protobuf_module():
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
 
     return xplane_pb2
+
+
+def step_trace(step: int):
+    """A profiler trace event that marks one training step, as tf_keras' TensorBoard callback marks the steps of
+    `profile_batch`: `tf.profiler.experimental.Trace("train", step_num=step, _r=1)`. `_r=1` (undocumented) makes
+    it a root event, which TensorBoard's profile plugin groups the step's device work under (the overview page's
+    step-time graph). Enter it when the step begins and exit it when it ends."""
+    return tf.profiler.experimental.Trace("train", step_num=int(step), _r=1)

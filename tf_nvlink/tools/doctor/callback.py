@@ -15,9 +15,14 @@ After `warmup_steps` training steps (counted over every fit the callback rides a
 again and stops it: only its own window is traced. The callback defines no `on_train_batch_end`, so Keras keeps
 dispatching batch ends asynchronously; it acts in `on_train_batch_begin` at the window's two edges only.
 At the end of the window's epoch it reads the trace, sets `model.history.step_doctor` (the History callback),
-prints the table, writes step_doctor.json and step_doctor.png (with matplotlib) to `output_dir`, and TensorBoard
-scalars when a keras.callbacks.TensorBoard is in the callback list. Without a profiler, GPU trace or counters it
-says why in one line and training goes on.
+prints the table, writes step_doctor.json and step_doctor.png (with matplotlib) to `output_dir`. Without a
+profiler, GPU trace or counters it says why in one line and training goes on.
+
+With a keras.callbacks.TensorBoard in the callback list (or `log_dir` given), the window is traced into that run's
+folder, where TensorBoard's profile plugin reads it (`<log_dir>/train/plugins/profile/<session>/<host>.xplane.pb`,
+as Keras' own `profile_batch` writes), each traced call is marked as a step (`tf_runtime.step_trace`, as tf_keras
+marks them: the overview page's steps), and `<log_dir>/step_doctor` gets the breakdown as scalars, the table and
+verdict as text (or why there is none) and the chart as an image.
 This module imports Keras; `tf_nvlink.StepDoctor` imports it on first use, so `import tf_nvlink` stays light.
 """
 
@@ -116,11 +121,12 @@ class StepDoctor(keras.callbacks.Callback):
     Args:
         warmup_steps: training steps before the window (over all fits; compile and warm-up come first).
         window_steps: steps profiled.
-        output_dir: where step_doctor.json, step_doctor.png and the trace (profile/) go; default: a new
-            temporary folder (`self.output_dir`).
+        output_dir: where step_doctor.json, step_doctor.png and, without a TensorBoard log_dir, the trace
+            (profile/) go; default: a new temporary folder (`self.output_dir`).
         global_batch: samples per step over all replicas, for the predicted samples/s (0: not shown).
         gpus: NVML indices of the replicas' GPUs (default: the tf_nvlink plan's).
-        log_dir: TensorBoard log_dir (default: that of a keras.callbacks.TensorBoard in the same list).
+        log_dir: TensorBoard log_dir (default: that of a keras.callbacks.TensorBoard in the same list): the trace
+            goes to its `train` run, the report to its `step_doctor` run.
         replica_overhead_ms: per-step cost of each extra replica in the scaling predictions.
         verbose: print the table when the report is ready.
         nvml: a pynvml stand-in (tests).
@@ -155,9 +161,14 @@ class StepDoctor(keras.callbacks.Callback):
         self._window: Optional[dict] = None  # while profiling: start time, step, calls, counters
         self._finished: Optional[dict] = None  # the closed window, until its epoch ends
         self._done = False
+        self._tensorboard_dir: Optional[str] = log_dir
+        self._step_marker: Any = None  # the open step marker while the window traces
 
     @property
     def profile_dir(self) -> str:
+        """Where the profiler writes: the TensorBoard run `<log_dir>/train`, else `<output_dir>/profile`."""
+        if self._tensorboard_dir:
+            return os.path.join(self._tensorboard_dir, "train")
         return os.path.join(self.output_dir, "profile")
 
     # -- the fit call --------------------------------------------------------------------------------------
@@ -165,7 +176,8 @@ class StepDoctor(keras.callbacks.Callback):
         from tf_nvlink.internals import callbacks as callback_seams  # noqa: PLC0415 - TensorFlow once it runs
 
         self._fit_began, self._first_batch_seen = time.perf_counter(), False
-        self._tensorboard_dir = self.log_dir or callback_seams.tensorboard_log_dir_beside(self)
+        if not self._done:  # the window's folder stays that of the fit it began in
+            self._tensorboard_dir = self.log_dir or callback_seams.tensorboard_log_dir_beside(self)
 
     def on_train_batch_begin(self, batch, logs=None):
         entered = time.perf_counter()
@@ -179,6 +191,7 @@ class StepDoctor(keras.callbacks.Callback):
                 self._close_window()
             else:
                 self._window["calls"] += 1
+                self._mark_step(steps)
         elif not self._done and steps >= self.warmup_steps:
             self._open_window(steps)
         self.overhead_s += time.perf_counter() - entered
@@ -202,6 +215,18 @@ class StepDoctor(keras.callbacks.Callback):
             return
         self._window = {"first_host_step": host_step, "first_step": first, "began": time.perf_counter(),
                         "calls": 1, "reader": reader, "counters": counters}
+        self._mark_step(host_step)
+
+    def _mark_step(self, host_step: Optional[int]) -> None:
+        """Ends the open step marker and, with a step, opens the next: each traced call from its batch begin to
+        the next call's (the doctor keeps off `on_train_batch_end`, so Keras' batch ends stay asynchronous)."""
+        if self._step_marker is not None:
+            self._step_marker.__exit__(None, None, None)
+            self._step_marker = None
+        if host_step is not None:
+            marker = tf_runtime.step_trace(host_step)
+            marker.__enter__()
+            self._step_marker = marker
 
     def _open_counters(self):
         """(reader, first read) for the replicas' GPUs, or (None, why not)."""
@@ -224,6 +249,7 @@ class StepDoctor(keras.callbacks.Callback):
         window, self._window = self._window, None
         last = self._device_step()
         ended = time.perf_counter()
+        self._mark_step(None)
         try:
             tf.profiler.experimental.stop()
         except Exception as exc:  # noqa: BLE001
@@ -274,10 +300,12 @@ class StepDoctor(keras.callbacks.Callback):
             chart = outputs.write_chart(report, os.path.join(self.output_dir, "step_doctor.png"))
             if chart:
                 self.files["png"] = chart
-            if self._tensorboard_dir:
-                self.files["tensorboard"] = outputs.write_tensorboard(report, self._tensorboard_dir, epoch)
             if self.verbose:
                 print(outputs.render_table(report), flush=True)
+        if self._tensorboard_dir:
+            self.files["tensorboard"] = outputs.write_tensorboard(report, self._tensorboard_dir, max(epoch, 0),
+                                                                  chart=self.files.get("png"))
+            self.files["profile"] = self.profile_dir
         history = getattr(self.model, "history", None)
         if history is not None:  # a dict in the epoch logs would break TensorBoard's and the progress bar's
             history.step_doctor = report

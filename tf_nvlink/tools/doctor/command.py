@@ -2,6 +2,7 @@
 doctor; prints its table and writes step_doctor.json/.png to --output_dir.
 
     tf-nvlink doctor --model resnet50 --batch_per_replica 128 --output_dir doctor
+    tf-nvlink doctor --model resnet50 --log_dir logs     # then: tensorboard --logdir logs (Profile tab)
     tf-nvlink doctor --model convnet --batch_per_replica 8 --cpu_devices 2   # no GPU: says why
 """
 
@@ -25,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window_steps", type=positive, default=10)
     parser.add_argument("--cpu_devices", type=non_negative, default=0,
                         help="logical CPU replicas instead of GPUs (0: GPUs)")
-    parser.add_argument("--output_dir", default="step_doctor")
+    parser.add_argument("--output_dir", default="step_doctor", help="step_doctor.json and step_doctor.png go here")
+    parser.add_argument("--log_dir", default=None,
+                        help="a TensorBoard log_dir: the trace goes to its train run (the Profile tab reads it), the "
+                             "table and the chart to its step_doctor run (default: the trace under --output_dir)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     strategy = bench.configure(cpu_devices=args.cpu_devices)
     model, dataset, global_batch = bench.build(args.model, strategy, args.batch_per_replica,
                                                args.steps_per_execution)
-    doctor = bench.doctor_fit(model, dataset, global_batch, args.output_dir, args.warmup_steps, args.window_steps)
+    doctor = bench.doctor_fit(model, dataset, global_batch, args.output_dir, args.warmup_steps, args.window_steps,
+                              log_dir=args.log_dir)
     print(f"step doctor: {doctor.files.get('json')}" + (f" ({doctor.unavailable})" if doctor.unavailable else ""))
     return 0
 

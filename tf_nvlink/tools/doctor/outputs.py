@@ -1,4 +1,5 @@
-"""The doctor's report as people read it: a short text table, a JSON file, a PNG bar chart, TensorBoard scalars.
+"""The doctor's report as people read it: a short text table, a JSON file, a PNG bar chart, and TensorBoard
+summaries (scalars, the table as text, the chart as an image).
 
 A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane), "mean", "verdict",
 "nvlink", "scaling", "context", "input_copy", "trace", "nvlink_bytes_per_step", "fit_call", "window" and "doctor_hooks_s"; without
@@ -93,16 +94,32 @@ def write_chart(report: dict, path: str) -> Optional[str]:
     return path
 
 
-def write_tensorboard(report: dict, log_dir: str, step: int) -> str:
-    """The mean breakdown and the advice's predicted gains as scalars under <log_dir>/step_doctor."""
+def render_markdown(report: dict) -> str:
+    """The report for TensorBoard's text dashboard (Markdown): the verdict, then the table as a code block; without
+    a breakdown, why there is none."""
+    if "unavailable" in report:
+        return f"**step doctor: no step breakdown.** {report['unavailable']}"
+    return f"**step doctor: {report['verdict']['kind']}**\n\n```\n{render_table(report)}\n```"
+
+
+def write_tensorboard(report: dict, log_dir: str, step: int, chart: Optional[str] = None) -> str:
+    """Under <log_dir>/step_doctor: the mean breakdown and the advice's predicted gains as scalars, the table and
+    verdict as text (`step_doctor/verdict`; without a breakdown, why) and the chart PNG, when given, as an image
+    (`step_doctor/chart`)."""
     import tensorflow as tf  # noqa: PLC0415
 
     directory = os.path.join(log_dir, "step_doctor")
     writer = tf.summary.create_file_writer(directory)
     with writer.as_default(step=step):
-        for key, _ in (("step_ms", "step"),) + PARTS:
-            tf.summary.scalar(f"step_doctor/{key}", report["mean"][key])
-        for index, advice in enumerate(report["verdict"]["advice"]):
-            tf.summary.scalar(f"step_doctor/advice{index}_predicted_gain", advice["gain"])
+        if "unavailable" not in report:
+            for key, _ in (("step_ms", "step"),) + PARTS:
+                tf.summary.scalar(f"step_doctor/{key}", report["mean"][key])
+            for index, advice in enumerate(report["verdict"]["advice"]):
+                tf.summary.scalar(f"step_doctor/advice{index}_predicted_gain", advice["gain"])
+        tf.summary.text("step_doctor/verdict", render_markdown(report))
+        if chart:
+            with open(chart, "rb") as f:
+                image = tf.image.decode_png(f.read(), channels=4)
+            tf.summary.image("step_doctor/chart", image[tf.newaxis], max_outputs=1)
     writer.close()
     return directory
