@@ -116,3 +116,23 @@ def test_a_broken_matplotlib_fails_bench_plot_while_reading_the_flags(tmp_path):
     assert "pip install matplotlib" in result.stderr
     assert seconds < 20  # no worker started: the interpreter's start and the flags
     assert not (tmp_path / "busbw.png").exists()
+
+
+@pytest.mark.parametrize("flags, rc", [([], 2), (["--chart"], 2), (["--no-chart"], None)])
+def test_a_broken_matplotlib_stops_the_doctor_before_training_unless_no_chart(flags, rc, monkeypatch, capsys):
+    """An installed matplotlib that fails to import stops `tf-nvlink doctor` before TensorFlow starts (exit 2, the
+    fix named); --no-chart goes on without it."""
+    import importlib.util as util
+
+    from tf_nvlink.tools.doctor import command
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: object() if name == "matplotlib" else None)
+    args = parse(["doctor", *flags])
+    if rc is None:
+        assert command.chart_wanted(args) is False
+        return
+    with pytest.raises(SystemExit) as info:
+        command.chart_wanted(args)
+    err = capsys.readouterr().err
+    assert info.value.code == rc and err.count("\n") == 1 and "needs matplotlib" in err and "--no-chart" in err

@@ -129,6 +129,7 @@ class StepDoctor(keras.callbacks.Callback):
             goes to its `train` run, the report to its `step_doctor` run.
         replica_overhead_ms: per-step cost of each extra replica in the scaling predictions.
         verbose: print the table when the report is ready.
+        chart: write step_doctor.png and its TensorBoard image (with matplotlib; False: neither).
         nvml: a pynvml stand-in (tests).
 
     After the window: `report` (the dict, also `model.history.step_doctor`), `unavailable`
@@ -144,7 +145,7 @@ class StepDoctor(keras.callbacks.Callback):
     def __init__(self, warmup_steps: int = 20, window_steps: int = 10, output_dir: Optional[str] = None,
                  global_batch: int = 0, gpus: Optional[Sequence[int]] = None, log_dir: Optional[str] = None,
                  replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS, verbose: bool = True,
-                 nvml: Any = None):
+                 nvml: Any = None, chart: bool = True):
         super().__init__()
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps)
         self.window_steps = _positive_int("window_steps", window_steps)
@@ -152,7 +153,7 @@ class StepDoctor(keras.callbacks.Callback):
             raise ValueError(f"global_batch should be a non-negative integer. Received: {global_batch!r}")
         self.output_dir = output_dir or tempfile.mkdtemp(prefix="step_doctor_")
         self.global_batch, self.gpus, self.log_dir = global_batch, gpus, log_dir
-        self.replica_overhead_ms, self.verbose, self.nvml = replica_overhead_ms, verbose, nvml
+        self.replica_overhead_ms, self.verbose, self.nvml, self.chart = replica_overhead_ms, verbose, nvml, chart
         self.report: Optional[dict] = None
         self.unavailable: Optional[str] = None
         self.overhead_s = 0.0
@@ -297,7 +298,8 @@ class StepDoctor(keras.callbacks.Callback):
         self.report = report
         self.files["json"] = outputs.write_json(report, os.path.join(self.output_dir, "step_doctor.json"))
         if not why:
-            chart = outputs.write_chart(report, os.path.join(self.output_dir, "step_doctor.png"))
+            chart = outputs.write_chart(report, os.path.join(self.output_dir, "step_doctor.png")) if self.chart \
+                else None
             if chart:
                 self.files["png"] = chart
             if self.verbose:

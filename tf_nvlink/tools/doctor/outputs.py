@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Optional
 
@@ -67,13 +68,18 @@ def write_json(report: dict, path: str) -> str:
 
 
 def write_chart(report: dict, path: str) -> Optional[str]:
-    """A stacked bar per replica of the step's parts as a PNG; None (nothing written) without matplotlib."""
+    """A stacked bar per replica of the step's parts as a PNG; None (nothing written) without matplotlib, or with
+    one that fails to import (a warning says why: the report is not lost for a chart)."""
     try:
         import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - an install built against another numpy raises anything
+        logging.getLogger("tf_nvlink").warning("StepDoctor: no chart: matplotlib cannot be imported (%s)",
+                                               " ".join(str(exc).split())[:200])
         return None
     replicas = report["replicas"]
     labels = [r["plane"].replace("/device:", "") for r in replicas]
