@@ -125,6 +125,8 @@ def test_peer_copies_are_all_reduce_time_hidden_or_exposed_not_other_copies(as_r
     assert b.hidden_collective_ms == pytest.approx(1.0) and b.exposed_collective_ms == pytest.approx(1.0)
     assert b.other_copies_ms == pytest.approx(0.5)  # the device copy alone
     assert b.compute_ms == pytest.approx(10.0) and b.h2d_pageable_ms == b.h2d_pinned_ms == 0
+    report, _ = diagnose_space(xspace({"/device:GPU:0": events}), step_ms=20.0, steps=2, calls=2, context=CONTEXT_1)
+    assert "all-reduce peer copies        2.00" in outputs.render_table(report)
 
 
 def test_host_memory_of_the_input_copy_is_read_from_the_stat():
@@ -138,7 +140,8 @@ def test_host_memory_of_the_input_copy_is_read_from_the_stat():
         return report
 
     pinned = copy_of(PINNED_H2D)
-    assert pinned["input_copy"]["host_memory"] == "pinned" and pinned["input_copy"]["note"] == ""
+    assert pinned["input_copy"]["host_memory"] == "pinned" and "pinned" in pinned["input_copy"]["note"]
+    assert "(from pinned host memory (the trace's memcpy_details))" in outputs.render_table(pinned)
     assert pinned["input_copy"]["host_memory_from"] == "trace" and pinned["mean"]["h2d_pinned_ms"] == pytest.approx(1.0)
     pageable = copy_of(PAGEABLE_H2D)
     assert pageable["input_copy"]["host_memory"] == "pageable" and "memcpy_details" in pageable["input_copy"]["note"]

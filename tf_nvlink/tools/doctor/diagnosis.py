@@ -61,7 +61,7 @@ def input_copy(mean: dict, context: StepContext) -> Optional[dict]:
         note = "a small copy: its fixed cost, not the host memory, sets the rate"
     elif source == "trace":
         note = {"pageable": "from pageable host memory (the trace's memcpy_details): pinned memory copies faster",
-                "pinned": "",
+                "pinned": "from pinned host memory (the trace's memcpy_details)",
                 "mixed": f"{pageable_ms:.2f} ms from pageable and {pinned_ms:.2f} ms from pinned host memory (the "
                          f"trace's memcpy_details)"}[memory]
     elif rate < PAGEABLE_COPY_GBPS:

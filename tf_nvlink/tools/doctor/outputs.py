@@ -31,8 +31,9 @@ def render_table(report: dict) -> str:
     replicas = report["replicas"]
     header = f"{'step doctor (ms/step)':<24}" + "".join(f"{r['plane'].replace('/device:', ''):>10}" for r in replicas)
     lines = [header]
-    for key, label in (("step_ms", "step"),) + PARTS + (("h2d_ms", "input copy total"),
-                                                         ("per_call_gap_ms", "gap per call"),):
+    peer = (("peer_copy_ms", "all-reduce peer copies"),) if any(r.get("peer_copy_ms") for r in replicas) else ()
+    for key, label in (("step_ms", "step"),) + PARTS + peer + (("h2d_ms", "input copy total"),
+                                                                ("per_call_gap_ms", "gap per call"),):
         lines.append(f"{label:<24}" + "".join(f"{r[key]:>10.2f}" for r in replicas))
     copy = report.get("input_copy")
     if copy:
