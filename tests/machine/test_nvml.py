@@ -187,10 +187,17 @@ def test_shutdown_even_when_an_unexpected_exception_escapes(monkeypatch):
     assert fake.init_calls == fake.shutdown_calls == 1
 
 
-@pytest.mark.parametrize("name, per_gpu", [("h200_x2", 19), ("h100_hgx_x8", 19), ("dgx1_v100_x8", 7),
-                                           ("rtx3090_x2_bridge", 5), ("bridged_pairs_x4", 13), ("pcie_x4", 1)])
-def test_never_asks_past_the_first_invalid_argument(name, per_gpu, monkeypatch):
-    fake = FakeNvml(fake_nvml.MACHINES[name]())
+@pytest.mark.parametrize("link_count_field", [True, False], ids=["nvml link count", "asked until invalid"])
+@pytest.mark.parametrize("name, per_gpu", [("h200_x2", 18), ("h100_hgx_x8", 18), ("dgx1_v100_x8", 6),
+                                           ("rtx3090_x2_bridge", 4), ("bridged_pairs_x4", 12), ("pcie_x4", 0)])
+def test_asks_the_links_nvml_counts_or_up_to_the_first_invalid_argument(name, per_gpu, link_count_field, monkeypatch):
+    """NVML_FI_DEV_NVLINK_LINK_COUNT bounds the links asked; without it, link 0, 1, ... until Invalid Argument (one
+    more call: the link past the last). A PCIe-only GPU answers neither: its link 0 says Not Supported."""
+    machine = fake_nvml.MACHINES[name]()
+    for gpu in machine.gpus:
+        gpu.link_count_field = link_count_field
+    per_gpu = per_gpu if link_count_field and per_gpu else per_gpu + 1
+    fake = FakeNvml(machine)
     asked = []
     original = fake.nvmlDeviceGetNvLinkState
 
@@ -205,10 +212,11 @@ def test_never_asks_past_the_first_invalid_argument(name, per_gpu, monkeypatch):
         assert [link for handle, link in asked if handle == gpu.index] == list(range(per_gpu))
 
 
-def test_h200_asks_links_0_to_18_only():
+def test_h200_asks_links_0_to_17_only():
     fake = FakeNvml(fake_nvml.h200_x2())
-    nvml.probe(fake)
-    assert fake.calls.count("nvmlDeviceGetNvLinkState") == 2 * 19
+    topo = nvml.probe(fake)
+    assert fake.calls.count("nvmlDeviceGetNvLinkState") == 2 * 18 and not topo.warnings
+    assert all(len(gpu.links) == 18 for gpu in topo.gpus)
 
 
 def test_p2p_index_is_a_plain_integer(monkeypatch):

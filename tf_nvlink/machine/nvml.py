@@ -4,9 +4,9 @@ Every NVML quirk we know of is handled here, so that the rest of tf_nvlink sees 
 
 - NVSwitch boards (HGX/DGX H100, H200): every link's far end is a switch, not a GPU. Peers are found from
   the remote device type plus NVML's P2P status over NVLink, not by matching remote PCI ids.
-- The probe counts links by asking link 0, 1, ... until NVML answers Invalid Argument or Not Supported;
-  `NVML_NVLINK_MAX_LINKS` (36 in current pynvml, 6/12/18 in old headers) is only an upper bound. The counter
-  reader takes the count NVML states (NVML_FI_DEV_NVLINK_LINK_COUNT) and asks only where NVML does not answer it.
+- Links: the count NVML states (NVML_FI_DEV_NVLINK_LINK_COUNT); where NVML does not answer it, link 0, 1, ... are
+  asked until NVML answers Invalid Argument or Not Supported. `NVML_NVLINK_MAX_LINKS` (36 in current pynvml,
+  6/12/18 in old headers) is not a link count.
 - NVLink traffic counters are read by pynvml's named field ids (NVML_FI_DEV_NVLINK_THROUGHPUT_*), and each value
   keeps NVML's own timestamp, so a rate divides by the time between NVML's two samples, not between our calls.
 - pynvml's `NVML_P2P_CAPS_INDEX_READ` is the tuple `(0,)`, which ctypes rejects: we pass plain integers.
@@ -185,7 +185,8 @@ def _read_gpu(session: _Session, index: int, handle: Any) -> Optional[Gpu]:
 def _read_links(session: _Session, index: int, handle: Any, gpu_name: str) -> tuple[NvLink, ...]:
     nvml = session.nvml
     links = []
-    for link in range(_LINK_SEARCH_LIMIT):
+    count = nvlink_link_count(nvml, handle)  # None: NVML does not say; ask until Invalid Argument
+    for link in range(_LINK_SEARCH_LIMIT if count is None else count):
         try:
             state = nvml.nvmlDeviceGetNvLinkState(handle, link)
         except nvml.NVMLError as exc:
