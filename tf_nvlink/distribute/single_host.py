@@ -26,7 +26,10 @@ from tf_nvlink.machine import cluster_config as cluster_lib
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
+from tf_nvlink.internals import tf_runtime
+from tf_nvlink.plan import compile_cache as compile_cache_lib
 from tf_nvlink.plan import policy, step_options
+from tf_nvlink.util.version import __version__
 
 log = logging.getLogger("tf_nvlink")
 
@@ -53,6 +56,7 @@ class NVLinkMirroredStrategy(base.TfNvlinkStrategyMixin, tf.distribute.MirroredS
 
 _LOCK = threading.Lock()
 _CURRENT: dict = {}
+_COMPILE_CACHE: dict = {}
 
 
 def current_plan() -> Optional[policy.Plan]:
@@ -75,6 +79,38 @@ def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
     return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
 
 
+def current_compile_cache() -> Optional[compile_cache_lib.CacheState]:
+    """What the compile cache of this process is (`prepare_compile_cache`'s last answer), or None."""
+    return _COMPILE_CACHE.get("state")
+
+
+def prepare_compile_cache(compile_cache="auto", topology: Optional[Topology] = None,
+                          max_bytes: int = compile_cache_lib.DEFAULT_MAX_BYTES) -> compile_cache_lib.CacheState:
+    """Point TensorFlow's persistent XLA cache at this context's folder (`plan.compile_cache.prepare`): the
+    TensorFlow and tf_nvlink versions, the current `XLA_FLAGS`/`TF_XLA_FLAGS` and this machine's GPU models, driver
+    and CUDA name the folder. `strategy()` calls it before TensorFlow lists its devices (TensorFlow reads
+    `TF_XLA_FLAGS` then, once); a program that must touch TensorFlow's devices first (tests splitting the CPU into
+    logical devices) calls it itself before that, with the same `compile_cache` it passes `strategy()`."""
+    setting = compile_cache_lib.validate_setting(compile_cache)
+    topology = topology if topology is not None else nvml.probe()
+    before = os.environ.get("TF_XLA_FLAGS", "")
+    started = tf_runtime.tensorflow_runtime_started()
+    build = tf.sysconfig.get_build_info()
+    context = compile_cache_lib.context_key(
+        tf.__version__, __version__, os.environ.get("XLA_FLAGS", ""), before,
+        [gpu.name for gpu in topology.gpus], topology.driver_version,
+        build.get("cuda_version") if topology.gpus else None)
+    state = compile_cache_lib.prepare(setting, context, max_bytes=max_bytes)
+    if started and os.environ.get("TF_XLA_FLAGS", "") != before:
+        # TensorFlow has read TF_XLA_FLAGS already: the flags help this process's children only.
+        state = dataclasses.replace(state, folder=None, note=(
+            f"compile cache not used in this process: TensorFlow started before tf_nvlink.strategy() "
+            f"(build the strategy first); child processes use {state.folder}"))
+        log.info("tf_nvlink: %s", state.note)
+    _COMPILE_CACHE["state"] = state
+    return state
+
+
 def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
@@ -87,7 +123,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              xla_allreduce: str = "auto", cluster_resolver=None,
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
              input_buffer: Optional[int] = None, compiled_execution: bool = True,
-             autotune_choice: Optional[facts_lib.AutotuneChoice] = None) -> tf.distribute.MirroredStrategy:
+             autotune_choice: Optional[facts_lib.AutotuneChoice] = None,
+             compile_cache="auto") -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -126,6 +163,11 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             runs each execution of N steps as ONE XLA program per replica, where the whole step is in XLA (one
             GPU, or fused mode); False: one program per step, as Keras does (for comparison, or as a way out).
             `tf_nvlink.training.compiled_execution` says how; the plan's summary says which path applies.
+        compile_cache: "auto" (default): XLA programs are kept on disk and read back by later processes of the
+            same model, shapes, TensorFlow, XLA flags and GPUs, in the user's cache folder
+            (`$TF_NVLINK_CACHE_DIR/xla`, else `$XDG_CACHE_HOME/tf_nvlink/xla`, else `~/.cache/tf_nvlink/xla`;
+            `$TF_NVLINK_COMPILE_CACHE` may say "off" or another folder); a folder path; or "off" (None).
+            Applies when the strategy is built before TensorFlow starts (as `xla_flags`). docs/compile_cache.md.
         autotune_choice: what measures the candidates for cross_device_ops="autotune" (`tf_nvlink.strategy()`
             passes `tf_nvlink.tools.tune.autotune_choice`); without it, "autotune" raises ValueError.
 
@@ -147,13 +189,16 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         raise ValueError("cross_device_ops='autotune' measures the candidates through tf_nvlink.strategy(); "
                          "call that, or pass autotune_choice=tf_nvlink.tools.tune.autotune_choice. Valid without "
                          f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
+    cache_setting = compile_cache_lib.validate_setting(compile_cache)
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options) + (
-        None if cluster_resolver is None else id(cluster_resolver),)
+        None if cluster_resolver is None else id(cluster_resolver), cache_setting)
     with _LOCK:
         if _CURRENT:
             return _the_strategy_already_built(key)
         cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
         if cluster_resolver is not None or cluster is not None:
+            topology = topology if topology is not None else nvml.probe()
+            prepare_compile_cache(cache_setting, topology)
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
                 xla_allreduce=xla_allreduce), asked_options, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
@@ -161,9 +206,12 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                                                                 compiled_execution=compiled_execution))
         else:
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options,
-                                 autotune_choice)
+                                 autotune_choice, cache_setting)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
+    state = current_compile_cache()
+    if state is not None and state.active and not state.users:
+        log.info("tf_nvlink: %s", state.note)
     return built
 
 
@@ -207,7 +255,7 @@ def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, sin
 
 
 def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST,
-           autotune_choice: Optional[facts_lib.AutotuneChoice] = None):
+           autotune_choice: Optional[facts_lib.AutotuneChoice] = None, compile_cache: str = "off"):
     """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
@@ -217,15 +265,17 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
                                 or not all(isinstance(d, str) and d.strip() for d in devices)):
         raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
                          f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
-    if devices:
-        check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
     ops_name = "auto" if ops_instance is not None else cross_device_ops
     instance_name = type(ops_instance).__name__ if ops_instance is not None else ""
     topology = topology if topology is not None else nvml.probe()
     user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_options)
+    # Keyed on the XLA flags just set; before TensorFlow lists its devices (it reads TF_XLA_FLAGS then).
+    prepare_compile_cache(compile_cache, topology)
     try:
+        if devices:
+            check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
         facts = facts_lib.gather_facts(topology, autotune_choice=autotune_choice if ops_name == "autotune" else None,
                                        user_xla_flags=user_xla_flags)
         plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_options)

@@ -1,0 +1,410 @@
+"""The persistent XLA compile cache: where TensorFlow keeps jit-compiled programs between processes, and its care.
+
+TensorFlow 2.21 stores each program a `jit_compile=True` function compiles when `TF_XLA_FLAGS` holds
+`--tf_xla_persistent_cache_directory=FOLDER`, and loads it back instead of compiling in a later process. This
+module decides the folder and the flags and looks after the files; `distribute/single_host.strategy` calls
+`prepare` before TensorFlow starts (TensorFlow reads `TF_XLA_FLAGS` once, when it first lists its devices).
+
+    $TF_NVLINK_CACHE_DIR/xla/<context key>/, else $XDG_CACHE_HOME/tf_nvlink/xla/<context key>/,
+    else ~/.cache/tf_nvlink/xla/<context key>/   (compile_cache="auto"; a folder F gives F/<context key>/)
+
+TensorFlow names an entry by the function's signature, the HLO fingerprint and the device type only: not by the
+TensorFlow version, the XLA flags, the GPU model or the driver. The context key (`context_key`) is a hash of
+those, so a program is only ever read back by a process of the same context. Entries are written by TensorFlow
+atomically (a temporary file renamed), so concurrent writers never leave a torn entry; a corrupt or foreign one
+would make TensorFlow fail when it reads it, so `drop_bad_entries` checks each entry's protobuf framing and its
+key against its file name, and deletes the bad ones (one warning). The whole cache is kept under a size bound,
+oldest entries (by modification time) removed first. No TensorFlow import here.
+
+Example:
+    >>> from tf_nvlink.plan import compile_cache
+    >>> compile_cache.validate_setting("auto"), compile_cache.validate_setting(None)
+    ('auto', 'off')
+    >>> compile_cache.with_cache_flags("--tf_xla_auto_jit=2", "/c/xla/0123abcd")
+    '--tf_xla_auto_jit=2 --tf_xla_persistent_cache_directory=/c/xla/0123abcd --tf_xla_persistent_cache_prefix=tf_nvlink'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from typing import Iterable, Mapping, MutableMapping, Optional, Sequence
+
+from tf_nvlink.plan import tune_cache
+from tf_nvlink.plan.allreduce_sizes import GIB
+
+log = logging.getLogger("tf_nvlink")
+
+DEFAULT_MAX_BYTES = 2 * GIB
+SETTINGS = ("auto", "off")  # or a folder path; None means "off"
+ENV_SETTING = "TF_NVLINK_COMPILE_CACHE"  # "off" or a folder: what compile_cache="auto" means in this process tree
+SUBFOLDER = "xla"
+PREFIX = "tf_nvlink"  # the file-name prefix of tf_nvlink's entries; also how a process knows the flags are ours
+FLAG_DIR = "--tf_xla_persistent_cache_directory"
+FLAG_READ_ONLY = "--tf_xla_persistent_cache_read_only"
+FLAG_PREFIX = "--tf_xla_persistent_cache_prefix"
+FLAG_DEVICE_TYPES = "--tf_xla_persistent_cache_device_types"
+CACHE_FLAGS = (FLAG_DIR, FLAG_READ_ONLY, FLAG_PREFIX, FLAG_DEVICE_TYPES)
+_ENTRY_NAME = re.compile(r"^(?P<prefix>.+)__(?P<signature>\d+)__(?P<cluster>\d+)__(?P<device>[A-Za-z0-9_]+)\.pb$")
+
+
+def validate_setting(compile_cache) -> str:
+    """"auto", "off" or an absolute folder path; ValueError naming the valid choices for anything else.
+
+    Example:
+        >>> validate_setting("~/xla")
+        '/home/me/xla'
+    """
+    if compile_cache is None or compile_cache is False:
+        return "off"
+    if isinstance(compile_cache, os.PathLike):
+        compile_cache = os.fspath(compile_cache)
+    if isinstance(compile_cache, str) and compile_cache.strip():
+        text = compile_cache.strip()
+        if text.lower() in SETTINGS:
+            return text.lower()
+        if "\0" not in text:
+            return os.path.abspath(os.path.expanduser(text))
+    raise ValueError(f"compile_cache should be 'auto' (the user's cache folder, {root_folder('auto')}), a folder "
+                     f"path, or 'off' (None): valid choices {list(SETTINGS)} or a folder. "
+                     f"Received: compile_cache={compile_cache!r}")
+
+
+def root_folder(setting: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The folder that holds the context sub-folders for a validated setting (None when off). "auto" follows
+    $TF_NVLINK_COMPILE_CACHE ("off" or a folder) when set, else the tune cache's folder + "/xla"."""
+    environ = os.environ if environ is None else environ
+    if setting == "auto":
+        override = (environ.get(ENV_SETTING) or "").strip()
+        if override:
+            setting = validate_setting(override)
+            if setting == "auto":
+                return os.path.join(tune_cache.cache_dir(), SUBFOLDER)
+        else:
+            return os.path.join(tune_cache.cache_dir(), SUBFOLDER)
+    return None if setting == "off" else setting
+
+
+def split_flags(text: str) -> list[str]:
+    return [part for part in (text or "").split() if part]
+
+
+def flag_value(text: str, name: str) -> Optional[str]:
+    """The value of `--name=value` in a flags string (the last one wins, as TensorFlow parses), or None."""
+    value = None
+    for part in split_flags(text):
+        key, sep, rest = part.partition("=")
+        if key == name:
+            value = rest if sep else "true"
+    return value
+
+
+def without_cache_flags(text: str) -> str:
+    """`TF_XLA_FLAGS` without the persistent cache's own flags (what the context key hashes)."""
+    return " ".join(part for part in split_flags(text) if part.partition("=")[0] not in CACHE_FLAGS)
+
+
+def with_cache_flags(text: str, folder: str, read_only: bool = False) -> str:
+    """`text` (a `TF_XLA_FLAGS` value) with any cache flags replaced by tf_nvlink's for `folder`."""
+    flags = [without_cache_flags(text), f"{FLAG_DIR}={folder}", f"{FLAG_PREFIX}={PREFIX}"]
+    if read_only:
+        flags.append(f"{FLAG_READ_ONLY}=true")
+    return " ".join(flag for flag in flags if flag)
+
+
+def users_cache_folder(text: str) -> Optional[str]:
+    """The cache folder the user set in `TF_XLA_FLAGS` themselves (None when unset or when it is tf_nvlink's,
+    recognised by tf_nvlink's prefix flag: a child process inherits its parent's and sets its own)."""
+    folder = flag_value(text, FLAG_DIR)
+    if not folder or flag_value(text, FLAG_PREFIX) == PREFIX:
+        return None
+    return folder
+
+
+def context_key(tf_version: str, tf_nvlink_version: str, xla_flags: str, tf_xla_flags: str,
+                gpu_names: Sequence[str] = (), driver_version: Optional[str] = None,
+                cuda_version: Optional[str] = None) -> str:
+    """16 hex digits naming everything TensorFlow's own entry names leave out: the TensorFlow and tf_nvlink
+    versions, the XLA flags (`XLA_FLAGS`, and `TF_XLA_FLAGS` less the cache's flags), and on GPUs their models
+    (in order), the driver and the CUDA version ("cpu" without GPUs).
+
+    Example:
+        >>> context_key("2.21.0", "0.1.0", "", "")
+        '5d1b...'
+    """
+    hardware = ("gpus=" + ",".join(gpu_names) + f";driver={driver_version};cuda={cuda_version}") if gpu_names \
+        else "cpu"
+    text = "\n".join((f"tensorflow={tf_version}", f"tf_nvlink={tf_nvlink_version}",
+                      "XLA_FLAGS=" + " ".join(sorted(split_flags(xla_flags))),
+                      "TF_XLA_FLAGS=" + " ".join(sorted(split_flags(without_cache_flags(tf_xla_flags)))), hardware))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    path: str
+    size: int
+    mtime: float
+
+
+def entries(folder: str) -> list[Entry]:
+    """The entries (`*.pb` files named as TensorFlow names them) under `folder`, every depth, oldest first."""
+    found = []
+    for directory, _, files in os.walk(folder):
+        for name in files:
+            if _ENTRY_NAME.match(name):
+                path = os.path.join(directory, name)
+                with contextlib.suppress(OSError):
+                    stat = os.stat(path)
+                    found.append(Entry(path, stat.st_size, stat.st_mtime))
+    return sorted(found, key=lambda entry: (entry.mtime, entry.path))
+
+
+def total_bytes(found: Iterable[Entry]) -> int:
+    return sum(entry.size for entry in found)
+
+
+def _varint(read) -> Optional[int]:
+    """A protobuf varint from `read(1)`; None at a clean end of data."""
+    result = shift = 0
+    while True:
+        byte = read(1)
+        if not byte:
+            if shift == 0:
+                return None
+            raise ValueError("truncated varint")
+        result |= (byte[0] & 0x7F) << shift
+        if not byte[0] & 0x80:
+            return result
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint over 10 bytes")
+
+
+def _fields(handle, size: int, keep: Sequence[int] = ()):
+    """(number, wire type, value) of each top-level field of the protobuf message in `handle`; a length-delimited
+    value is read only for field numbers in `keep` (else skipped, value None)."""
+    while True:
+        tag = _varint(handle.read)
+        if tag is None:
+            return
+        number, wire = tag >> 3, tag & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if wire == 0:
+            value = _varint(handle.read)
+            if value is None:
+                raise ValueError("truncated varint")
+        elif wire in (1, 5, 2):
+            length = {1: 8, 5: 4}.get(wire) or _varint(handle.read)
+            if length is None or handle.tell() + length > size:
+                raise ValueError(f"field {number} runs past the end of the file")
+            if wire == 2 and number in keep:
+                value = handle.read(length)
+            else:
+                handle.seek(length, os.SEEK_CUR)
+                value = None
+        else:
+            raise ValueError(f"wire type {wire} of field {number}")
+        yield number, wire, value
+
+
+class _Bytes:
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def read(self, count: int) -> bytes:
+        chunk = self.data[self.pos:self.pos + count]
+        self.pos += len(chunk)
+        return chunk
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int) -> None:
+        self.pos += offset
+
+
+def entry_problem(path: str) -> Optional[str]:
+    """Why TensorFlow could not load the entry at `path` (None when it looks sound): the framing of an
+    `XlaSerializedCacheEntry` (key, HLO module, executable) read to the last byte, and its key (signature and
+    cluster fingerprints, device type) the same as its file name's. Reads the key only, not the program."""
+    match = _ENTRY_NAME.match(os.path.basename(path))
+    if not match:
+        return "not named as TensorFlow names its entries"
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            fields = {number: (wire, value) for number, wire, value in _fields(handle, size, keep=(1,))}
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"not an XLA cache entry ({exc})"
+    if any(fields.get(number, (None,))[0] != 2 for number in (1, 2, 3)):
+        return "not an XLA cache entry (key, HLO module or executable missing)"
+    try:
+        key = {number: value for number, _, value in _fields(_Bytes(fields[1][1]), len(fields[1][1]), keep=(3,))}
+    except ValueError as exc:
+        return f"not an XLA cache entry (its key: {exc})"
+    if (str(key.get(1)), str(key.get(2))) != (match["signature"], match["cluster"]) or \
+            (key.get(3) or b"").decode("utf-8", "replace") != match["device"]:
+        return "its key is not the one its file name says (a foreign or renamed entry)"
+    return None
+
+
+def drop_bad_entries(folder: str) -> list[tuple[str, str]]:
+    """Delete the entries under `folder` TensorFlow could not load (`entry_problem`); returns (path, problem)
+    of each. Another process may delete the same file at the same time: that is fine."""
+    dropped = []
+    for entry in entries(folder):
+        problem = entry_problem(entry.path)
+        if problem is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            dropped.append((entry.path, problem))
+    return dropped
+
+
+def evict(root: str, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Entry]:
+    """Delete the oldest entries (by modification time) under `root`, every context folder included, until the
+    rest fit in `max_bytes`; then remove context folders left empty. Returns the deleted entries."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_bytes should be a whole number of bytes >= 0. Received: max_bytes={max_bytes!r}")
+    found = entries(root)
+    excess = total_bytes(found) - max_bytes
+    removed = []
+    for entry in found:
+        if excess <= 0:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+        removed.append(entry)
+        excess -= entry.size
+    if removed:
+        _remove_empty_folders(root)
+    return removed
+
+
+def _remove_empty_folders(root: str) -> None:
+    for directory, _, _ in sorted(os.walk(root), key=lambda item: -len(item[0])):
+        if directory != root:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)  # fails (and is left) unless empty
+
+
+def clear(root: str) -> tuple[int, int]:
+    """Delete every entry under `root` and the context folders; returns (entries, bytes) deleted."""
+    found = entries(root)
+    for entry in found:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+    return len(found), total_bytes(found)
+
+
+def folder_problem(folder: str) -> tuple[Optional[str], bool]:
+    """(why entries cannot be written in `folder`, whether it can still be read); (None, True) when writable.
+    Creates the folder (0o700) when it does not exist."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create it ({exc.strerror or exc})", False
+    if not os.path.isdir(folder):
+        return "it is not a folder", False
+    readable = os.access(folder, os.R_OK | os.X_OK)
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe.")
+    except OSError as exc:
+        return f"cannot write in it ({exc.strerror or exc})", readable
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None, readable
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+    """What `prepare` did: `folder` is the context folder TensorFlow reads and writes (None: no cache this
+    process), `note` one line for the log and the report."""
+
+    setting: str
+    folder: Optional[str]
+    read_only: bool = False
+    users: bool = False  # the folder is the user's own TF_XLA_FLAGS choice
+    note: str = ""
+    dropped: int = 0
+    evicted: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.folder is not None
+
+
+def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, str]] = None,
+            max_bytes: int = DEFAULT_MAX_BYTES) -> CacheState:
+    """Set up the cache for this process before TensorFlow starts: resolve the folder (`root_folder`), respect a
+    folder the user put in `TF_XLA_FLAGS`, check the folder can be written (else read-only when it can be read,
+    else no cache; one warning either way), drop bad entries (one warning), keep the size bound, and write the
+    flags into `environ["TF_XLA_FLAGS"]` (default os.environ). `context` is `context_key(...)`.
+
+    A folder whose path holds whitespace cannot go through `TF_XLA_FLAGS` (TensorFlow splits it on whitespace):
+    one warning, and no cache.
+    """
+    environ = os.environ if environ is None else environ
+    current = environ.get("TF_XLA_FLAGS", "")
+    theirs = users_cache_folder(current)
+    if theirs is not None:
+        note = (f"compile cache: TF_XLA_FLAGS already sets {FLAG_DIR}={theirs}; tf_nvlink keeps it and does not "
+                f"manage that folder")
+        log.info("tf_nvlink: %s", note)
+        return CacheState(setting, theirs, users=True, note=note)
+    root = root_folder(setting, environ)
+    if root is None:
+        _set_flags(environ, without_cache_flags(current))  # an inherited tf_nvlink flag goes too
+        return CacheState(setting, None, note="compile cache off")
+    folder = os.path.join(root, context)
+    if any(char.isspace() for char in folder):
+        _set_flags(environ, without_cache_flags(current))
+        note = (f"compile cache off: its folder {folder!r} holds whitespace, which TF_XLA_FLAGS cannot carry; "
+                f"pass compile_cache= a folder without spaces, or set {ENV_SETTING}")
+        log.warning("tf_nvlink: %s", note)
+        return CacheState(setting, None, note=note)
+    problem, readable = folder_problem(folder)
+    if problem is not None:
+        read_only = readable and os.path.isdir(folder)
+        _set_flags(environ, with_cache_flags(current, folder, read_only=True) if read_only
+                   else without_cache_flags(current))
+        note = (f"compile cache folder {folder} is not writable ({problem}): "
+                + ("its programs are read, new ones are not kept" if read_only else "training goes on uncached"))
+        log.warning("tf_nvlink: %s", note)
+        return CacheState(setting, folder if read_only else None, read_only=read_only, note=note)
+    dropped = drop_bad_entries(folder)
+    if dropped:
+        log.warning("tf_nvlink: compile cache: deleted %d entr%s TensorFlow could not load, compiled again when "
+                    "needed: %s", len(dropped), "y" if len(dropped) == 1 else "ies",
+                    "; ".join(f"{os.path.basename(path)}: {why}" for path, why in dropped[:3])
+                    + (" ..." if len(dropped) > 3 else ""))
+    evicted = evict(root, max_bytes)
+    _set_flags(environ, with_cache_flags(current, folder))
+    kept = entries(folder)
+    note = (f"compile cache {folder} ({len(kept)} entr{'y' if len(kept) == 1 else 'ies'}, "
+            f"{total_bytes(kept) / 2**20:.1f} MiB; bound {max_bytes / 2**30:g} GiB"
+            + (f", {len(evicted)} oldest evicted" if evicted else "") + ")")
+    return CacheState(setting, folder, note=note, dropped=len(dropped), evicted=len(evicted))
+
+
+def _set_flags(environ: MutableMapping[str, str], value: str) -> None:
+    if value:
+        environ["TF_XLA_FLAGS"] = value
+    else:
+        environ.pop("TF_XLA_FLAGS", None)
