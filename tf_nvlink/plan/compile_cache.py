@@ -51,6 +51,7 @@ FLAG_READ_ONLY = "--tf_xla_persistent_cache_read_only"
 FLAG_PREFIX = "--tf_xla_persistent_cache_prefix"
 FLAG_DEVICE_TYPES = "--tf_xla_persistent_cache_device_types"
 CACHE_FLAGS = (FLAG_DIR, FLAG_READ_ONLY, FLAG_PREFIX, FLAG_DEVICE_TYPES)
+_WARNED: set = set()  # each warning once per process (the strategy and a caller before it may both prepare)
 _ENTRY_NAME = re.compile(r"^(?P<prefix>.+)__(?P<signature>\d+)__(?P<cluster>\d+)__(?P<device>[A-Za-z0-9_]+)\.pb$")
 
 
@@ -377,7 +378,7 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
         _set_flags(environ, without_cache_flags(current))
         note = (f"compile cache off: its folder {folder!r} holds whitespace, which TF_XLA_FLAGS cannot carry; "
                 f"pass compile_cache= a folder without spaces, or set {ENV_SETTING}")
-        log.warning("tf_nvlink: %s", note)
+        _warn_once(note)
         return CacheState(setting, None, note=note)
     problem, readable = folder_problem(folder)
     if problem is not None:
@@ -386,7 +387,7 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
                    else without_cache_flags(current))
         note = (f"compile cache folder {folder} is not writable ({problem}): "
                 + ("its programs are read, new ones are not kept" if read_only else "training goes on uncached"))
-        log.warning("tf_nvlink: %s", note)
+        _warn_once(note)
         return CacheState(setting, folder if read_only else None, read_only=read_only, note=note)
     dropped = drop_bad_entries(folder)
     if dropped:
@@ -401,6 +402,12 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
             f"{total_bytes(kept) / 2**20:.1f} MiB; bound {max_bytes / 2**30:g} GiB"
             + (f", {len(evicted)} oldest evicted" if evicted else "") + ")")
     return CacheState(setting, folder, note=note, dropped=len(dropped), evicted=len(evicted))
+
+
+def _warn_once(note: str) -> None:
+    if note not in _WARNED:
+        _WARNED.add(note)
+        log.warning("tf_nvlink: %s", note)
 
 
 def _set_flags(environ: MutableMapping[str, str], value: str) -> None:
