@@ -26,6 +26,13 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
         >>> with tf_nvlink.strategy(gpus="auto").scope():
         ...     model = build_model()
     """
+    # The compile cache's TF_XLA_FLAGS before TensorFlow is imported: under absl's app.run importing TensorFlow
+    # lists its devices, and TensorFlow reads TF_XLA_FLAGS then (the strategy checks what it read).
+    from tf_nvlink.plan import compile_cache  # noqa: PLC0415
+
+    compile_cache.prepare_process(kwargs.get("compile_cache", "auto"), compile_cache.request_text(
+        gpus, kwargs.get("devices"), kwargs.get("xla_allreduce", "auto"), kwargs.get("xla_flags", "auto")),
+        kwargs.get("topology"))
     # TensorFlow is imported here, not at `import tf_nvlink`; the tune tool only if "autotune" measures.
     from tf_nvlink.training import install  # noqa: PLC0415
 

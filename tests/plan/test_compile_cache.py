@@ -75,9 +75,11 @@ def test_context_key_changes_with_what_entries_names_leave_out():
     others = [dict(base, tf_version="2.22.0"), dict(base, tf_nvlink_version="0.2.0"),
               dict(base, xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
               dict(base, tf_xla_flags="--tf_xla_auto_jit=2"),
-              dict(base, gpu_names=["NVIDIA H200"], driver_version="570.1", cuda_version="12.5"),
-              dict(base, gpu_names=["NVIDIA H100"], driver_version="570.1", cuda_version="12.5"),
-              dict(base, gpu_names=["NVIDIA H200"], driver_version="575.0", cuda_version="12.5")]
+              dict(base, gpu_names=["NVIDIA H200"], driver_version="570.1"),
+              dict(base, gpu_names=["NVIDIA H100"], driver_version="570.1"),
+              dict(base, gpu_names=["NVIDIA H200"], driver_version="575.0"),
+              dict(base, request=cc.request_text(xla_flags="none")),
+              dict(base, request=cc.request_text(gpus=[0, 1]))]
     keys = {cc.context_key(**other) for other in others}
     assert len(keys) == len(others) and key not in keys
 
@@ -173,3 +175,20 @@ def test_prepare_folder_that_cannot_be_created_goes_uncached(tmp_path, caplog):
         state = cc.prepare(str(blocker), "k", environ)
     assert not state.active and environ == {} and len(caplog.records) == 1
     assert str(blocker / "k") in caplog.text and "training goes on uncached" in caplog.text
+
+
+def test_request_text_names_what_chooses_tf_nvlinks_xla_flags():
+    assert cc.request_text() == "gpus='all' devices=None xla_allreduce='auto' xla_flags='auto'"
+    assert cc.request_text(gpus=(0, 1)) == cc.request_text(gpus=[0, 1])
+    assert cc.request_text(gpus=" AUTO ") == cc.request_text(gpus="auto")
+
+
+def test_prepare_process_keys_on_this_machine_without_tensorflow(tmp_path):
+    from tf_nvlink.machine.topology import Topology
+
+    environ = {}
+    state = cc.prepare_process(str(tmp_path), cc.request_text(), Topology(), environ)
+    again = cc.prepare_process(str(tmp_path), cc.request_text(), Topology(), dict(environ))
+    assert state.folder == again.folder and os.path.dirname(state.folder) == str(tmp_path)
+    other = cc.prepare_process(str(tmp_path), cc.request_text(), Topology(), {"XLA_FLAGS": "--xla_dump_to=/x"})
+    assert other.folder != state.folder

@@ -19,8 +19,9 @@ class Keep(logging.Handler):
 logging.getLogger("tf_nvlink").addHandler(Keep())
 logging.getLogger("tf_nvlink").setLevel(logging.INFO)
 setting = sys.argv[1]
-from tf_nvlink.distribute import single_host
-single_host.prepare_compile_cache(setting)  # before the CPU is split into logical devices (TensorFlow starts)
+from tf_nvlink.plan import compile_cache
+# before the CPU is split into logical devices (TensorFlow reads TF_XLA_FLAGS then), as tf_nvlink.strategy() does
+compile_cache.prepare_process(setting, compile_cache.request_text(devices=["/cpu:0", "/cpu:1"]))
 import tensorflow as tf
 cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -34,7 +35,7 @@ with strategy.scope():
     model.compile("sgd", "mse", jit_compile=True, steps_per_execution=2)
 x = np.linspace(0, 1, 256, dtype="float32").reshape(32, 8)
 history = model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
-from tf_nvlink.plan import compile_cache
+from tf_nvlink.distribute import single_host
 state = single_host.current_compile_cache()
 found = compile_cache.entries(state.folder) if state.folder else []
 print(json.dumps({"folder": state.folder, "loss": history.history["loss"][-1], "records": records,

@@ -29,7 +29,6 @@ from tf_nvlink.machine.topology import Topology
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.plan import compile_cache as compile_cache_lib
 from tf_nvlink.plan import policy, step_options
-from tf_nvlink.util.version import __version__
 
 log = logging.getLogger("tf_nvlink")
 
@@ -84,29 +83,31 @@ def current_compile_cache() -> Optional[compile_cache_lib.CacheState]:
     return _COMPILE_CACHE.get("state")
 
 
-def prepare_compile_cache(compile_cache="auto", topology: Optional[Topology] = None,
+def prepare_compile_cache(compile_cache="auto", request: str = "", topology: Optional[Topology] = None,
                           max_bytes: int = compile_cache_lib.DEFAULT_MAX_BYTES) -> compile_cache_lib.CacheState:
-    """Point TensorFlow's persistent XLA cache at this context's folder (`plan.compile_cache.prepare`): the
-    TensorFlow and tf_nvlink versions, the current `XLA_FLAGS`/`TF_XLA_FLAGS` and this machine's GPU models, driver
-    and CUDA name the folder. `strategy()` calls it before TensorFlow lists its devices (TensorFlow reads
-    `TF_XLA_FLAGS` then, once); a program that must touch TensorFlow's devices first (tests splitting the CPU into
-    logical devices) calls it itself before that, with the same `compile_cache` it passes `strategy()`."""
-    setting = compile_cache_lib.validate_setting(compile_cache)
-    topology = topology if topology is not None else nvml.probe()
+    """Point TensorFlow's persistent XLA cache at this context's folder (`plan.compile_cache.prepare_process`;
+    `request` is `compile_cache.request_text` of the strategy's arguments). `strategy()` calls it before TensorFlow
+    lists its devices (TensorFlow reads `TF_XLA_FLAGS` then, once); a program that must touch TensorFlow's devices
+    first (tests splitting the CPU into logical devices) calls `compile_cache.prepare_process` itself before that,
+    with the same arguments. When TensorFlow has listed its devices already, the answer says which folder it
+    read (or that it read none) instead."""
     before = os.environ.get("TF_XLA_FLAGS", "")
-    started = tf_runtime.tensorflow_runtime_started()
-    build = tf.sysconfig.get_build_info()
-    context = compile_cache_lib.context_key(
-        tf.__version__, __version__, os.environ.get("XLA_FLAGS", ""), before,
-        [gpu.name for gpu in topology.gpus], topology.driver_version,
-        build.get("cuda_version") if topology.gpus else None)
-    state = compile_cache_lib.prepare(setting, context, max_bytes=max_bytes)
-    if started and os.environ.get("TF_XLA_FLAGS", "") != before:
-        # TensorFlow has read TF_XLA_FLAGS already: the flags help this process's children only.
-        state = dataclasses.replace(state, folder=None, note=(
-            f"compile cache not used in this process: TensorFlow started before tf_nvlink.strategy() "
-            f"(build the strategy first); child processes use {state.folder}"))
-        log.info("tf_nvlink: %s", state.note)
+    listed = tf_runtime.tensorflow_devices_listed()
+    state = compile_cache_lib.prepare_process(compile_cache, request, topology, max_bytes=max_bytes)
+    read = compile_cache_lib.flag_value(before, compile_cache_lib.FLAG_DIR)
+    if listed and not state.users and read != state.folder:
+        # TensorFlow read TF_XLA_FLAGS before this call: its programs go where `before` said, if anywhere.
+        if read:
+            note = (f"compile cache {read}: TensorFlow read TF_XLA_FLAGS before tf_nvlink.strategy() (this "
+                    f"process's own folder would be {state.folder}); its programs go to the folder it read")
+            state = dataclasses.replace(state, folder=read, note=note)
+        else:
+            note = (f"compile cache not used in this process: TensorFlow listed its devices before "
+                    f"tf_nvlink.strategy() set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): "
+                    f"build the strategy before importing TensorFlow, or export "
+                    f"TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'")
+            state = dataclasses.replace(state, folder=None, note=note)
+        compile_cache_lib.warn_once(note)
     _COMPILE_CACHE["state"] = state
     return state
 
@@ -196,9 +197,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         if _CURRENT:
             return _the_strategy_already_built(key)
         cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
+        topology = topology if topology is not None else nvml.probe()
+        prepare_compile_cache(cache_setting, compile_cache_lib.request_text(gpus, devices, xla_allreduce, xla_flags),
+                              topology)
         if cluster_resolver is not None or cluster is not None:
-            topology = topology if topology is not None else nvml.probe()
-            prepare_compile_cache(cache_setting, topology)
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
                 xla_allreduce=xla_allreduce), asked_options, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
@@ -206,7 +208,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                                                                 compiled_execution=compiled_execution))
         else:
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options,
-                                 autotune_choice, cache_setting)
+                                 autotune_choice)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     state = current_compile_cache()
@@ -255,7 +257,7 @@ def _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, sin
 
 
 def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST,
-           autotune_choice: Optional[facts_lib.AutotuneChoice] = None, compile_cache: str = "off"):
+           autotune_choice: Optional[facts_lib.AutotuneChoice] = None):
     """Gather the facts, let `policy.decide` choose, build the TensorFlow objects. Returns (strategy, plan)."""
     ops_instance = None if isinstance(cross_device_ops, str) else cross_device_ops
     if ops_instance is not None and not isinstance(ops_instance, tf.distribute.CrossDeviceOps):
@@ -271,8 +273,6 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     user_xla_flags = os.environ.get("XLA_FLAGS", "")  # read once: tf_nvlink's own flags never count as the user's
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_options)
-    # Keyed on the XLA flags just set; before TensorFlow lists its devices (it reads TF_XLA_FLAGS then).
-    prepare_compile_cache(compile_cache, topology)
     try:
         if devices:
             check_devices(devices, [d.name for d in tf.config.list_logical_devices()])

@@ -29,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from typing import Iterable, Mapping, MutableMapping, Optional, Sequence
 
@@ -129,22 +131,61 @@ def users_cache_folder(text: str) -> Optional[str]:
 
 
 def context_key(tf_version: str, tf_nvlink_version: str, xla_flags: str, tf_xla_flags: str,
-                gpu_names: Sequence[str] = (), driver_version: Optional[str] = None,
-                cuda_version: Optional[str] = None) -> str:
+                gpu_names: Sequence[str] = (), driver_version: Optional[str] = None, request: str = "") -> str:
     """16 hex digits naming everything TensorFlow's own entry names leave out: the TensorFlow and tf_nvlink
-    versions, the XLA flags (`XLA_FLAGS`, and `TF_XLA_FLAGS` less the cache's flags), and on GPUs their models
-    (in order), the driver and the CUDA version ("cpu" without GPUs).
+    versions, the user's XLA flags (`XLA_FLAGS`, and `TF_XLA_FLAGS` less the cache's flags), the strategy
+    arguments that choose the XLA flags tf_nvlink adds (`request_text`), and on GPUs their models (in order) and
+    the driver ("cpu" without GPUs). The CUDA libraries are TensorFlow's build's (its version names them).
 
     Example:
         >>> context_key("2.21.0", "0.1.0", "", "")
         '5d1b...'
     """
-    hardware = ("gpus=" + ",".join(gpu_names) + f";driver={driver_version};cuda={cuda_version}") if gpu_names \
-        else "cpu"
+    hardware = ("gpus=" + ",".join(gpu_names) + f";driver={driver_version}") if gpu_names else "cpu"
     text = "\n".join((f"tensorflow={tf_version}", f"tf_nvlink={tf_nvlink_version}",
                       "XLA_FLAGS=" + " ".join(sorted(split_flags(xla_flags))),
-                      "TF_XLA_FLAGS=" + " ".join(sorted(split_flags(without_cache_flags(tf_xla_flags)))), hardware))
+                      "TF_XLA_FLAGS=" + " ".join(sorted(split_flags(without_cache_flags(tf_xla_flags)))),
+                      f"request={request}", hardware))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def request_text(gpus="all", devices=None, xla_allreduce="auto", xla_flags="auto") -> str:
+    """The `tf_nvlink.strategy()` arguments that decide which XLA flags tf_nvlink adds to `XLA_FLAGS` (after this
+    cache is set up: TensorFlow reads `TF_XLA_FLAGS` before tf_nvlink has decided them), for the context key.
+
+    Example:
+        >>> request_text(gpus="0,1")
+        "gpus='0,1' devices=None xla_allreduce='auto' xla_flags='auto'"
+    """
+    gpus = gpus.strip().lower() if isinstance(gpus, str) else list(gpus) if isinstance(gpus, (list, tuple)) else gpus
+    flags = list(xla_flags) if isinstance(xla_flags, (list, tuple)) else xla_flags
+    return (f"gpus={gpus!r} devices={list(devices) if devices else None!r} xla_allreduce={xla_allreduce!r} "
+            f"xla_flags={flags!r}")
+
+
+def prepare_process(compile_cache="auto", request: str = "", topology=None,
+                    environ: Optional[MutableMapping[str, str]] = None,
+                    max_bytes: int = DEFAULT_MAX_BYTES) -> CacheState:
+    """`prepare` for this process, without TensorFlow: the context key from the installed TensorFlow's version,
+    tf_nvlink's, the environment's XLA flags, `request` (`request_text` of the strategy's arguments) and this
+    machine's GPUs (`topology`, default: NVML probed now). `tf_nvlink.strategy()` calls it before it imports
+    TensorFlow: under absl's `app.run`, importing TensorFlow lists its devices at once (an init callback of
+    TensorFlow's), and TensorFlow reads `TF_XLA_FLAGS` then.
+
+    Example:
+        >>> prepare_process("auto", request_text(devices=["/cpu:0", "/cpu:1"])).folder
+        '/home/me/.cache/tf_nvlink/xla/3f0c...'
+    """
+    from tf_nvlink.machine import nvml  # noqa: PLC0415 - NVML is loaded when asked
+    from tf_nvlink.util.version import __version__  # noqa: PLC0415
+
+    setting = validate_setting(compile_cache)
+    environ = os.environ if environ is None else environ
+    topology = topology if topology is not None else nvml.probe()
+    context = context_key(_tf_version(), __version__, environ.get("XLA_FLAGS", ""),
+                          environ.get("TF_XLA_FLAGS", ""), [gpu.name for gpu in topology.gpus],
+                          topology.driver_version, request)
+    return prepare(setting, context, environ, max_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +408,7 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
     if theirs is not None:
         note = (f"compile cache: TF_XLA_FLAGS already sets {FLAG_DIR}={theirs}; tf_nvlink keeps it and does not "
                 f"manage that folder")
-        log.info("tf_nvlink: %s", note)
+        warn_once(note, logging.INFO)
         return CacheState(setting, theirs, users=True, note=note)
     root = root_folder(setting, environ)
     if root is None:
@@ -378,7 +419,7 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
         _set_flags(environ, without_cache_flags(current))
         note = (f"compile cache off: its folder {folder!r} holds whitespace, which TF_XLA_FLAGS cannot carry; "
                 f"pass compile_cache= a folder without spaces, or set {ENV_SETTING}")
-        _warn_once(note)
+        warn_once(note)
         return CacheState(setting, None, note=note)
     problem, readable = folder_problem(folder)
     if problem is not None:
@@ -387,7 +428,7 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
                    else without_cache_flags(current))
         note = (f"compile cache folder {folder} is not writable ({problem}): "
                 + ("its programs are read, new ones are not kept" if read_only else "training goes on uncached"))
-        _warn_once(note)
+        warn_once(note)
         return CacheState(setting, folder if read_only else None, read_only=read_only, note=note)
     dropped = drop_bad_entries(folder)
     if dropped:
@@ -404,10 +445,30 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
     return CacheState(setting, folder, note=note, dropped=len(dropped), evicted=len(evicted))
 
 
-def _warn_once(note: str) -> None:
+def _tf_version() -> str:
+    """The TensorFlow version, without importing it when it is not imported yet (the package metadata)."""
+    module = sys.modules.get("tensorflow")
+    if module is not None:
+        return module.__version__
+    try:
+        return importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.metadata.version("tf-nightly") if _installed("tf-nightly") else "unknown"
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def warn_once(note: str, level: int = logging.WARNING) -> None:
+    """Log `note` on the \"tf_nvlink\" logger once per process."""
     if note not in _WARNED:
         _WARNED.add(note)
-        log.warning("tf_nvlink: %s", note)
+        log.log(level, "tf_nvlink: %s", note)
 
 
 def _set_flags(environ: MutableMapping[str, str], value: str) -> None:
