@@ -22,6 +22,7 @@ from tf_nvlink.tools.allreduce_bench import cli
 
 from tf_nvlink.tools import report
 from tf_nvlink.tools import tune
+from tf_nvlink.tools import compile_cache_cli
 class Subcommand(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
@@ -33,6 +34,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "report": Subcommand(report.HELP, report.add_arguments, report.run),
     "bench": Subcommand(cli.HELP, cli.add_arguments, cli.run),
     "tune": Subcommand(tune.HELP, tune.add_arguments, tune.run),
+    "cache": Subcommand(compile_cache_cli.HELP, compile_cache_cli.add_arguments, compile_cache_cli.run),
 }
 DEFAULT_SUBCOMMAND = "report"
 

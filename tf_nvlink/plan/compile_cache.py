@@ -33,7 +33,6 @@ import importlib.metadata
 import logging
 import os
 import re
-import shutil
 import sys
 import tempfile
 from typing import Iterable, Mapping, MutableMapping, Optional, Sequence
@@ -196,16 +195,30 @@ class Entry:
 
 
 def entries(folder: str) -> list[Entry]:
-    """The entries (`*.pb` files named as TensorFlow names them) under `folder`, every depth, oldest first."""
+    """The entries (`*.pb` files named as TensorFlow names them) in `folder` and in its direct sub-folders (the
+    context folders; never deeper, so a folder given by hand is not walked whole), oldest first."""
     found = []
-    for directory, _, files in os.walk(folder):
-        for name in files:
+    for directory in [folder] + _subfolders(folder):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
             if _ENTRY_NAME.match(name):
                 path = os.path.join(directory, name)
                 with contextlib.suppress(OSError):
                     stat = os.stat(path)
                     found.append(Entry(path, stat.st_size, stat.st_mtime))
     return sorted(found, key=lambda entry: (entry.mtime, entry.path))
+
+
+def _subfolders(folder: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, name) for name in names
+            if os.path.isdir(os.path.join(folder, name)) and not os.path.islink(os.path.join(folder, name))]
 
 
 def total_bytes(found: Iterable[Entry]) -> int:
@@ -334,23 +347,19 @@ def evict(root: str, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Entry]:
 
 
 def _remove_empty_folders(root: str) -> None:
-    for directory, _, _ in sorted(os.walk(root), key=lambda item: -len(item[0])):
-        if directory != root:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)  # fails (and is left) unless empty
+    for directory in _subfolders(root):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)  # fails (and is left) unless empty
 
 
 def clear(root: str) -> tuple[int, int]:
-    """Delete every entry under `root` and the context folders; returns (entries, bytes) deleted."""
+    """Delete every entry under `root` (`entries`: nothing else, so a folder given by hand keeps its other files)
+    and the context folders left empty; returns (entries, bytes) deleted."""
     found = entries(root)
     for entry in found:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
+    _remove_empty_folders(root)
     return len(found), total_bytes(found)
 
 
@@ -476,3 +485,39 @@ def _set_flags(environ: MutableMapping[str, str], value: str) -> None:
         environ["TF_XLA_FLAGS"] = value
     else:
         environ.pop("TF_XLA_FLAGS", None)
+
+
+def summary(root: Optional[str] = None) -> dict:
+    """The cache as plain data, for `tf-nvlink cache` and the report: its root folder (default: "auto"'s), whether
+    it exists, the context folders and their entries and bytes, the size bound, and the folder this process's
+    context would use when the environment chooses it (`TF_NVLINK_COMPILE_CACHE`).
+
+    Example:
+        >>> summary()["entries"], summary()["bytes"]
+        (4, 37748736)
+    """
+    root = root if root is not None else root_folder("auto")
+    if root is None:
+        return {"folder": None, "enabled": False, "exists": False, "entries": 0, "bytes": 0, "contexts": [],
+                "max_bytes": DEFAULT_MAX_BYTES}
+    contexts = []
+    found = entries(root) if os.path.isdir(root) else []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        mine = [entry for entry in found if os.path.dirname(entry.path) == os.path.join(root, name)]
+        if os.path.isdir(os.path.join(root, name)):
+            contexts.append({"context": name, "entries": len(mine), "bytes": total_bytes(mine),
+                             "newest": max((entry.mtime for entry in mine), default=None)})
+    return {"folder": root, "enabled": True, "exists": os.path.isdir(root), "entries": len(found),
+            "bytes": total_bytes(found), "contexts": contexts, "max_bytes": DEFAULT_MAX_BYTES}
+
+
+def summary_line(data: dict) -> str:
+    """One line for the report: "XLA compile cache: /home/me/.cache/tf_nvlink/xla, 4 entries, 36.0 MiB (bound 2 GiB)".
+    """
+    if not data.get("enabled"):
+        return f"XLA compile cache: off ({ENV_SETTING}=off)"
+    count = data["entries"]
+    return (f"XLA compile cache: {data['folder']}, {count} entr{'y' if count == 1 else 'ies'} in "
+            f"{len(data['contexts'])} context folder{'s' if len(data['contexts']) != 1 else ''}, "
+            f"{data['bytes'] / 2**20:.1f} MiB (bound {data['max_bytes'] / 2**30:g} GiB; `tf-nvlink cache --clear` "
+            f"empties it)")
