@@ -144,11 +144,18 @@ def test_prepare_respects_the_users_flag_and_off(tmp_path, caplog):
     assert not cc.prepare("off", "k", inherited).active and "TF_XLA_FLAGS" not in inherited
 
 
-def test_prepare_with_a_space_in_the_folder_warns_and_goes_uncached(tmp_path, caplog):
+def test_a_folder_with_spaces_is_quoted_and_one_with_a_quote_refused(tmp_path, caplog):
+    environ = {"TF_XLA_FLAGS": "--tf_xla_auto_jit=2"}
+    state = cc.prepare(str(tmp_path / "with space"), "k", environ)
+    folder = str(tmp_path / "with space" / "k")
+    assert state.active and state.folder == folder
+    assert f'{cc.FLAG_DIR}="{folder}"' in environ["TF_XLA_FLAGS"]
+    assert cc.flag_value(environ["TF_XLA_FLAGS"], cc.FLAG_DIR) == folder
+    assert cc.without_cache_flags(environ["TF_XLA_FLAGS"]) == "--tf_xla_auto_jit=2"
     environ = {}
     with caplog.at_level("WARNING", logger="tf_nvlink"):
-        state = cc.prepare(str(tmp_path / "with space"), "k", environ)
-    assert not state.active and "whitespace" in caplog.text and environ == {}
+        state = cc.prepare(str(tmp_path / 'quo"te'), "k", environ)
+    assert not state.active and "double quote" in caplog.text and environ == {}
 
 
 def test_prepare_unwritable_folder_warns_once_naming_it_and_reads_it(tmp_path, caplog, monkeypatch):

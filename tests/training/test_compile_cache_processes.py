@@ -1,7 +1,7 @@
 """The compile cache across processes (counted, not timed): a second process reads what the first compiled; two
 processes writing at once leave entries a third reads; a corrupt entry is dropped with one warning and compiled
 again; a changed XLA flag misses (another context folder); an unwritable folder gives one warning naming it and
-training goes on. Each process trains a tiny jit-compiled model over 2 logical CPU replicas (split mode: one XLA
+training goes on. The folder's path holds a space (quoted in TF_XLA_FLAGS). Each process trains a tiny jit-compiled model over 2 logical CPU replicas (split mode: one XLA
 program per replica) and prints one JSON line: the cache folder, its entries (name, mtime) and the log lines."""
 
 import json
@@ -62,7 +62,7 @@ def warnings(run, *words):
 
 
 def test_second_process_reads_concurrent_writers_and_a_corrupt_entry_is_compiled_again(tmp_path):
-    cache = tmp_path / "cache"
+    cache = tmp_path / "the cache"  # a space: TF_XLA_FLAGS carries the folder in double quotes
     blocked = tmp_path / "afile"  # a folder cannot be made under a file: no cache, one warning, training goes on
     blocked.write_text("")
     writers = [start(cache), start(cache), start(blocked / "xla")]

@@ -93,8 +93,13 @@ def root_folder(setting: str, environ: Optional[Mapping[str, str]] = None) -> Op
     return None if setting == "off" else setting
 
 
+_FLAG_TOKEN = re.compile(r'(?:[^\s"]+|"[^"]*")+')
+
+
 def split_flags(text: str) -> list[str]:
-    return [part for part in (text or "").split() if part]
+    """The flags of a `TF_XLA_FLAGS`/`XLA_FLAGS` value, split on whitespace outside double quotes (TensorFlow's
+    parser keeps `--a="x y"` whole)."""
+    return _FLAG_TOKEN.findall(text or "")
 
 
 def flag_value(text: str, name: str) -> Optional[str]:
@@ -103,8 +108,13 @@ def flag_value(text: str, name: str) -> Optional[str]:
     for part in split_flags(text):
         key, sep, rest = part.partition("=")
         if key == name:
-            value = rest if sep else "true"
+            value = (rest[1:-1] if len(rest) >= 2 and rest[0] == rest[-1] == '"' else rest) if sep else "true"
     return value
+
+
+def _flag(name: str, value: str) -> str:
+    """`--name=value`, the value in double quotes when it holds whitespace."""
+    return f'{name}="{value}"' if any(char.isspace() for char in value) else f"{name}={value}"
 
 
 def without_cache_flags(text: str) -> str:
@@ -114,7 +124,7 @@ def without_cache_flags(text: str) -> str:
 
 def with_cache_flags(text: str, folder: str, read_only: bool = False) -> str:
     """`text` (a `TF_XLA_FLAGS` value) with any cache flags replaced by tf_nvlink's for `folder`."""
-    flags = [without_cache_flags(text), f"{FLAG_DIR}={folder}", f"{FLAG_PREFIX}={PREFIX}"]
+    flags = [without_cache_flags(text), _flag(FLAG_DIR, folder), f"{FLAG_PREFIX}={PREFIX}"]
     if read_only:
         flags.append(f"{FLAG_READ_ONLY}=true")
     return " ".join(flag for flag in flags if flag)
@@ -408,8 +418,8 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
     else no cache; one warning either way), drop bad entries (one warning), keep the size bound, and write the
     flags into `environ["TF_XLA_FLAGS"]` (default os.environ). `context` is `context_key(...)`.
 
-    A folder whose path holds whitespace cannot go through `TF_XLA_FLAGS` (TensorFlow splits it on whitespace):
-    one warning, and no cache.
+    A folder whose path holds spaces goes into `TF_XLA_FLAGS` in double quotes (TensorFlow's parser keeps a quoted
+    value whole); one holding a double quote, a tab or a newline cannot: one warning, and no cache.
     """
     environ = os.environ if environ is None else environ
     current = environ.get("TF_XLA_FLAGS", "")
@@ -424,10 +434,10 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
         _set_flags(environ, without_cache_flags(current))  # an inherited tf_nvlink flag goes too
         return CacheState(setting, None, note="compile cache off")
     folder = os.path.join(root, context)
-    if any(char.isspace() for char in folder):
+    if '"' in folder or any(char.isspace() and char != " " for char in folder):
         _set_flags(environ, without_cache_flags(current))
-        note = (f"compile cache off: its folder {folder!r} holds whitespace, which TF_XLA_FLAGS cannot carry; "
-                f"pass compile_cache= a folder without spaces, or set {ENV_SETTING}")
+        note = (f"compile cache off: its folder {folder!r} holds a double quote or a tab/newline, which "
+                f"TF_XLA_FLAGS cannot carry; pass compile_cache= another folder, or set {ENV_SETTING}")
         warn_once(note)
         return CacheState(setting, None, note=note)
     problem, readable = folder_problem(folder)
