@@ -5,7 +5,12 @@ training goes on. The folder's path holds a space (quoted in TF_XLA_FLAGS). Each
 program per replica) and prints one JSON line: the cache folder, its entries (name, mtime) and the log lines."""
 
 import json
+import logging
 import os
+import time
+import types
+
+import pytest
 
 import scenarios
 from tf_nvlink.plan import compile_cache
@@ -19,16 +24,18 @@ class Keep(logging.Handler):
 logging.getLogger("tf_nvlink").addHandler(Keep())
 logging.getLogger("tf_nvlink").setLevel(logging.INFO)
 setting = sys.argv[1]
+replicas = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+devices = [f"/cpu:{index}" for index in range(replicas)]
 from tf_nvlink.plan import compile_cache
 # before the CPU is split into logical devices (TensorFlow reads TF_XLA_FLAGS then), as tf_nvlink.strategy() does
-compile_cache.prepare_process(setting, compile_cache.request_text(devices=["/cpu:0", "/cpu:1"]))
+compile_cache.prepare_process(setting, compile_cache.request_text(devices=devices))
 import tensorflow as tf
 cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
 import keras, numpy as np
 keras.utils.set_random_seed(1)
 from tf_nvlink.training import install
-strategy = install.build_strategy(devices=["/cpu:0", "/cpu:1"], compile_cache=setting)
+strategy = install.build_strategy(devices=devices, compile_cache=setting)
 with strategy.scope():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)],
                              name="tiny")
@@ -43,12 +50,12 @@ print(json.dumps({"folder": state.folder, "loss": history.history["loss"][-1], "
 """
 
 
-def start(setting, **env):
+def start(setting, replicas=2, **env):
     """The worker, forked from the process that imported TensorFlow once (TensorFlow reads TF_XLA_FLAGS at its first
     device listing, which comes after the fork)."""
     # TF_XLA_FLAGS="": a flag this pytest process set must not reach the worker
     return scenarios.start_preloaded(WORKER, env=dict(TF_CPP_MIN_LOG_LEVEL="2", TF_XLA_FLAGS="", **env), timeout=300,
-                                     argv=[str(setting)])
+                                     argv=[str(setting), str(replicas)])
 
 
 def result(process):
@@ -112,3 +119,31 @@ def test_the_verdict_of_a_first_execution():
     assert "read-only" in verdict(compile_cache.CacheState("auto", "/c/k", read_only=True), {"a"}, {"a"})
     assert verdict(compile_cache.CacheState("off", None), set(), set()) == "compiled (compile cache off)"
     assert verdict(None, set(), set()) == "compiled (compile cache off)"
+
+
+@pytest.mark.slow  # two TensorFlow processes: about 10 s
+def test_one_program_per_replica(tmp_path):
+    """What docs/compile_cache.md measured: each replica's program is its own (its own signature and HLO), so a
+    fit stores one entry per replica: 1 for 1 replica, 4 for 4."""
+    one, four = start(tmp_path / "one", replicas=1), start(tmp_path / "four", replicas=4)
+    for run, count in ((result(one), 1), (result(four), 4)):
+        assert len(run["entries"]) == count
+        assert len({name.split("__")[2] for name in run["entries"]}) == count  # distinct HLO fingerprints
+
+
+def test_a_slow_first_execution_is_said_loudly(monkeypatch, caplog):
+    from tf_nvlink.training import first_execution
+
+    monkeypatch.setattr(first_execution, "LOUD_AFTER_S", 0.05)
+    model = types.SimpleNamespace(name="m", distribute_strategy=types.SimpleNamespace(num_replicas_in_sync=2))
+    announce = first_execution.FirstExecution(model, "train", "per-step path")
+    with caplog.at_level(logging.INFO, logger="tf_nvlink"):
+        with announce.reported():
+            time.sleep(0.3)
+        with announce.reported():  # later executions say nothing
+            pass
+    levels = [(record.levelname, record.getMessage()[:60]) for record in caplog.records]
+    assert [level for level, _ in levels] == ["INFO", "WARNING", "WARNING"], levels
+    assert "model 'm' on 2 replicas (per-step path)" in caplog.records[0].getMessage()
+    assert "still running after 0 s" in caplog.records[1].getMessage()
+    assert "took 0.3 s" in caplog.records[2].getMessage()
