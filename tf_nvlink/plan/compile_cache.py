@@ -2,8 +2,10 @@
 
 TensorFlow 2.21 stores each program a `jit_compile=True` function compiles when `TF_XLA_FLAGS` holds
 `--tf_xla_persistent_cache_directory=FOLDER`, and loads it back instead of compiling in a later process. This
-module decides the folder and the flags and looks after the files; `distribute/single_host.strategy` calls
-`prepare` before TensorFlow starts (TensorFlow reads `TF_XLA_FLAGS` once, when it first lists its devices).
+module decides the folder and the flags and looks after the files. TensorFlow reads `TF_XLA_FLAGS` once, when it
+first lists its devices (under absl's `app.run`, as soon as it is imported), so `tf_nvlink.strategy()` calls
+`prepare_process` before it imports TensorFlow, and `distribute/single_host.strategy` again before its first
+device listing (and finds out which folder TensorFlow read, when it has listed them already).
 
     $TF_NVLINK_CACHE_DIR/xla/<context key>/, else $XDG_CACHE_HOME/tf_nvlink/xla/<context key>/,
     else ~/.cache/tf_nvlink/xla/<context key>/   (compile_cache="auto"; a folder F gives F/<context key>/)
@@ -148,7 +150,7 @@ def context_key(tf_version: str, tf_nvlink_version: str, xla_flags: str, tf_xla_
 
     Example:
         >>> context_key("2.21.0", "0.1.0", "", "")
-        '5d1b...'
+        '225adac06655bc3b'
     """
     hardware = ("gpus=" + ",".join(gpu_names) + f";driver={driver_version}") if gpu_names else "cpu"
     text = "\n".join((f"tensorflow={tf_version}", f"tf_nvlink={tf_nvlink_version}",
