@@ -199,3 +199,15 @@ def test_prepare_process_keys_on_this_machine_without_tensorflow(tmp_path):
     assert state.folder == again.folder and os.path.dirname(state.folder) == str(tmp_path)
     other = cc.prepare_process(str(tmp_path), cc.request_text(), Topology(), {"XLA_FLAGS": "--xla_dump_to=/x"})
     assert other.folder != state.folder
+
+
+def test_stale_temporaries_of_killed_writers_go(tmp_path):
+    folder = tmp_path / "ctx"
+    folder.mkdir()
+    old, fresh = folder / "tf_nvlink__1__2__XLA_GPU_JIT.pb.123.pb.tmp", folder / "tf_nvlink__3__4__XLA_GPU_JIT.pb.tmp"
+    for path in (old, fresh):
+        path.write_bytes(b"partial")
+    os.utime(old, (1000, 1000))
+    assert cc.drop_stale_temporaries(str(tmp_path)) == 1
+    assert not old.exists() and fresh.exists()
+    assert cc.entries(str(tmp_path)) == []  # a temporary is never taken for an entry

@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from typing import Iterable, Mapping, MutableMapping, Optional, Sequence
 
 from tf_nvlink.plan import tune_cache
@@ -358,6 +359,26 @@ def evict(root: str, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Entry]:
     return removed
 
 
+def drop_stale_temporaries(root: str, older_than_s: float = 3600.0, now: Optional[float] = None) -> int:
+    """Delete the temporary files TensorFlow writes an entry to before renaming it (`*.tmp`) that are older than
+    `older_than_s` under `root` and its context folders: left by a process killed while writing (a live writer's
+    is seconds old). Returns how many."""
+    now = time.time() if now is None else now
+    removed = 0
+    for directory in [root] + _subfolders(root):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                if name.endswith(".tmp") and os.path.isfile(path) and now - os.path.getmtime(path) > older_than_s:
+                    os.unlink(path)
+                    removed += 1
+    return removed
+
+
 def _remove_empty_folders(root: str) -> None:
     for directory in _subfolders(root):
         with contextlib.suppress(OSError):
@@ -371,6 +392,7 @@ def clear(root: str) -> tuple[int, int]:
     for entry in found:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
+    drop_stale_temporaries(root, older_than_s=60.0)
     _remove_empty_folders(root)
     return len(found), total_bytes(found)
 
@@ -457,6 +479,7 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
                     "needed: %s", len(dropped), "y" if len(dropped) == 1 else "ies",
                     "; ".join(f"{os.path.basename(path)}: {why}" for path, why in dropped[:3])
                     + (" ..." if len(dropped) > 3 else ""))
+    drop_stale_temporaries(root)
     evicted = evict(root, max_bytes)
     _set_flags(environ, with_cache_flags(current, folder))
     kept = entries(folder)
