@@ -25,7 +25,7 @@ def field(number: int, payload) -> bytes:
 
 def entry_bytes(signature=123, cluster=456, device="XLA_CPU_JIT", program=b"x" * 100) -> bytes:
     """An XlaSerializedCacheEntry as TensorFlow writes one (key, HLO module, executable)."""
-    key = field(1, signature) + field(2, cluster) + field(3, device.encode()) + field(5, b"tf_nvlink")
+    key = field(1, signature) + field(2, cluster) + field(3, device.encode()) + field(4, b"tf_nvlink")
     return field(1, key) + field(2, b"hlo" * 10) + field(3, program)
 
 
@@ -96,14 +96,17 @@ def test_a_sound_entry_passes_and_bad_ones_are_named(tmp_path):
     renamed = os.path.join(tmp_path, "tf_nvlink__9__456__XLA_CPU_JIT.pb")
     with open(renamed, "wb") as handle:
         handle.write(entry_bytes())
+    other_prefix = os.path.join(tmp_path, "xla_compile_cache__123__456__XLA_CPU_JIT.pb")
+    with open(other_prefix, "wb") as handle:
+        handle.write(entry_bytes())  # its key says prefix "tf_nvlink"
     empty = os.path.join(tmp_path, "tf_nvlink__4__5__XLA_GPU_JIT.pb")
     open(empty, "wb").close()
     assert "past the end" in cc.entry_problem(truncated)
     assert cc.entry_problem(garbage).startswith("not an XLA cache entry")
-    assert "file name" in cc.entry_problem(renamed)
+    assert "file name" in cc.entry_problem(renamed) and "file name" in cc.entry_problem(other_prefix)
     assert "missing" in cc.entry_problem(empty)
     dropped = dict(cc.drop_bad_entries(str(tmp_path)))
-    assert set(dropped) == {truncated, garbage, renamed, empty}
+    assert set(dropped) == {truncated, garbage, renamed, other_prefix, empty}
     assert [entry.path for entry in cc.entries(str(tmp_path))] == [good]
 
 

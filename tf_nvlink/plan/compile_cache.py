@@ -317,11 +317,13 @@ def entry_problem(path: str) -> Optional[str]:
     if any(fields.get(number, (None,))[0] != 2 for number in (1, 2, 3)):
         return "not an XLA cache entry (key, HLO module or executable missing)"
     try:
-        key = {number: value for number, _, value in _fields(_Bytes(fields[1][1]), len(fields[1][1]), keep=(3,))}
+        key = {number: value for number, _, value in _fields(_Bytes(fields[1][1]), len(fields[1][1]), keep=(3, 4))}
     except ValueError as exc:
         return f"not an XLA cache entry (its key: {exc})"
     if (str(key.get(1)), str(key.get(2))) != (match["signature"], match["cluster"]) or \
-            (key.get(3) or b"").decode("utf-8", "replace") != match["device"]:
+            (key.get(3) or b"").decode("utf-8", "replace") != match["device"] or \
+            (key.get(4) or b"").decode("utf-8", "replace") != match["prefix"]:
+        # TensorFlow compares the whole key with the one it expects and fails the step on a difference
         return "its key is not the one its file name says (a foreign or renamed entry)"
     return None
 
