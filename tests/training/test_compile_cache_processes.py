@@ -1,8 +1,9 @@
 """The compile cache across processes (counted, not timed): a second process reads what the first compiled; two
 processes writing at once leave entries a third reads; a corrupt entry is dropped with one warning and compiled
 again; a changed XLA flag misses (another context folder); an unwritable folder gives one warning naming it and
-training goes on. The folder's path holds a space (quoted in TF_XLA_FLAGS). Each process trains a tiny jit-compiled model over 2 logical CPU replicas (split mode: one XLA
-program per replica) and prints one JSON line: the cache folder, its entries (name, mtime) and the log lines."""
+training goes on. The folder's path holds a space (quoted in TF_XLA_FLAGS). Each process trains a tiny
+jit-compiled model over logical CPU replicas (2 unless asked; split mode: one XLA program per replica) and prints
+one JSON line: the cache folder, its entries (name, mtime) and the log lines."""
 
 import json
 import logging
