@@ -20,6 +20,7 @@ BAD_VALUES = {
     "doctor": (["--window_steps", "0"], "argument --window_steps: should be a positive integer"),
     "train-bench": (["--steps", "-3"], "argument --steps: should be a positive integer"),
     "costmodel": (["--compute_ms", "fast", "--gradient_mib", "97.5"], "argument --compute_ms: should be a positive"),
+    "cache": (["--dir", __file__], "argument --dir: should be a folder"),
 }
 
 
@@ -30,7 +31,7 @@ def parse(argv):
 
 
 def test_every_subcommand_is_listed_and_has_a_bad_value_case():
-    assert set(SUBCOMMANDS) == {"report", "bench", "tune", "doctor", "train-bench", "costmodel"} == set(BAD_VALUES)
+    assert set(SUBCOMMANDS) == {"report", "bench", "tune", "doctor", "train-bench", "costmodel", "cache"} == set(BAD_VALUES)
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
@@ -74,7 +75,7 @@ def test_flags_take_dashes_or_underscores():
 @pytest.mark.parametrize("command, positive, attribute, default", [
     ("report", "tf", "tf", True), ("report", "json", "json", False), ("tune", "store", "store", True),
     ("bench", "compare_p2p", "compare_p2p", False), ("train-bench", "jit", "jit", True),
-    ("train-bench", "mixed_precision", "mixed", None)])
+    ("train-bench", "mixed_precision", "mixed", None), ("cache", "clear", "clear", False), ("cache", "json", "json", False)])
 def test_true_false_flags_have_one_form_and_read_the_absl_spelling(command, positive, attribute, default):
     assert getattr(parse([command]), attribute) is default
     assert getattr(parse([command, f"--{positive}"]), attribute) is True

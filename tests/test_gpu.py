@@ -348,3 +348,37 @@ def test_one_gpu_feature_matrix_as_on_one_device():
 def test_two_gpu_feature_matrix_as_on_one_device():
     """The same on 2 GPUs in fused mode: empty replicas, uneven splits, the all-reduces inside XLA."""
     _assert_feature_matrix(_feature_matrix("gpu2"))
+
+
+_CACHE_FIT = r"""
+import json, os, sys
+import tf_nvlink
+strategy = tf_nvlink.strategy(gpus=[0], compile_cache=sys.argv[1])
+import keras, numpy as np
+keras.utils.set_random_seed(1)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", jit_compile=True, steps_per_execution=4)
+x = np.linspace(0, 1, 64 * 32, dtype="float32").reshape(64, 32)
+loss = model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history["loss"][-1]
+from tf_nvlink.distribute import single_host
+from tf_nvlink.plan import compile_cache
+from tf_nvlink.training.compiled_execution import execution_path
+folder = single_host.current_compile_cache().folder
+print(json.dumps({"folder": folder, "loss": loss, "path": execution_path(model)[0],
+                  "entries": {os.path.basename(e.path): e.mtime for e in compile_cache.entries(folder)}}))
+"""
+
+
+@needs_gpu
+def test_one_gpu_second_process_reads_the_compile_cache(tmp_path):
+    """The compiled execution on one GPU: the first process stores its program(s), a second one reads them back
+    (the same entries, none rewritten) and trains to the same loss."""
+    runs = []
+    for _ in range(2):
+        result = run_python(["-c", _CACHE_FIT, str(tmp_path)], env={"TF_XLA_FLAGS": ""}, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["path"] == "compiled" and first["entries"]
+    assert second["entries"] == first["entries"] and second["loss"] == first["loss"]

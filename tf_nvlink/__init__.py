@@ -10,6 +10,7 @@
 so `tf-nvlink report --no-tf` answers instantly.
 """
 
+import sys  # noqa: E402
 from tf_nvlink.util.version import __version__  # noqa: E402
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
@@ -26,6 +27,15 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
         >>> with tf_nvlink.strategy(gpus="auto").scope():
         ...     model = build_model()
     """
+    # The compile cache's TF_XLA_FLAGS before TensorFlow is imported: under absl's app.run importing TensorFlow
+    # lists its devices, and TensorFlow reads TF_XLA_FLAGS then. Once TensorFlow is imported, the strategy sets
+    # them, or says that TensorFlow has read them already.
+    from tf_nvlink.plan import compile_cache  # noqa: PLC0415
+
+    if "tensorflow" not in sys.modules:
+        compile_cache.prepare_process(kwargs.get("compile_cache", "auto"), compile_cache.request_text(
+            gpus, kwargs.get("devices"), kwargs.get("xla_allreduce", "auto"), kwargs.get("xla_flags", "auto")),
+            kwargs.get("topology"))
     # TensorFlow is imported here, not at `import tf_nvlink`; the tune tool only if "autotune" measures.
     from tf_nvlink.training import install  # noqa: PLC0415
 

@@ -23,7 +23,7 @@ import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import tf_nvlink
-from tf_nvlink.tools import report, tune
+from tf_nvlink.tools import compile_cache_cli, report, tune
 from tf_nvlink.tools.allreduce_bench import cli
 from tf_nvlink.tools.costmodel import table as costmodel_table
 from tf_nvlink.tools.doctor import command as doctor_command
@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "doctor": Subcommand(doctor_command.HELP, doctor_command.add_arguments, doctor_command.run),
     "train-bench": Subcommand(training_bench_cli.HELP, training_bench_cli.add_arguments, training_bench_cli.run),
     "costmodel": Subcommand(costmodel_table.HELP, costmodel_table.add_arguments, costmodel_table.run),
+    "cache": Subcommand(compile_cache_cli.HELP, compile_cache_cli.add_arguments, compile_cache_cli.run),
 }
 DEFAULT_SUBCOMMAND = "report"
 

@@ -26,6 +26,8 @@ from tf_nvlink.machine import cluster_config as cluster_lib
 from tf_nvlink.machine import nvml
 from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
+from tf_nvlink.internals import tf_runtime
+from tf_nvlink.plan import compile_cache as compile_cache_lib
 from tf_nvlink.plan import policy, step_options
 
 log = logging.getLogger("tf_nvlink")
@@ -53,6 +55,7 @@ class NVLinkMirroredStrategy(base.TfNvlinkStrategyMixin, tf.distribute.MirroredS
 
 _LOCK = threading.Lock()
 _CURRENT: dict = {}
+_COMPILE_CACHE: dict = {}
 
 
 def current_plan() -> Optional[policy.Plan]:
@@ -75,6 +78,40 @@ def build_cross_device_ops(plan: policy.Plan, device_names: Sequence[str]):
     return ops_class(num_packs=1 if plan.num_packs is None else plan.num_packs)
 
 
+def current_compile_cache() -> Optional[compile_cache_lib.CacheState]:
+    """What the compile cache of this process is (`prepare_compile_cache`'s last answer), or None."""
+    return _COMPILE_CACHE.get("state")
+
+
+def prepare_compile_cache(compile_cache="auto", request: str = "", topology: Optional[Topology] = None,
+                          max_bytes: int = compile_cache_lib.DEFAULT_MAX_BYTES) -> compile_cache_lib.CacheState:
+    """Point TensorFlow's persistent XLA cache at this context's folder (`plan.compile_cache.prepare_process`;
+    `request` is `compile_cache.request_text` of the strategy's arguments). `strategy()` calls it before TensorFlow
+    lists its devices (TensorFlow reads `TF_XLA_FLAGS` then, once); a program that must touch TensorFlow's devices
+    first (tests splitting the CPU into logical devices) calls `compile_cache.prepare_process` itself before that,
+    with the same arguments. When TensorFlow has listed its devices already, the answer says which folder it
+    read (or that it read none) instead."""
+    before = os.environ.get("TF_XLA_FLAGS", "")
+    listed = tf_runtime.tensorflow_devices_listed()
+    state = compile_cache_lib.prepare_process(compile_cache, request, topology, max_bytes=max_bytes)
+    read = compile_cache_lib.flag_value(before, compile_cache_lib.FLAG_DIR)
+    if listed and not state.users and read != state.folder:
+        # TensorFlow read TF_XLA_FLAGS before this call: its programs go where `before` said, if anywhere.
+        if read:
+            note = (f"compile cache {read}: TensorFlow read TF_XLA_FLAGS before tf_nvlink.strategy() (this "
+                    f"process's own folder would be {state.folder}); its programs go to the folder it read")
+            state = dataclasses.replace(state, folder=read, note=note)
+        else:
+            note = (f"compile cache not used in this process: TensorFlow listed its devices before "
+                    f"tf_nvlink.strategy() set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): "
+                    f"build the strategy before importing TensorFlow, or export "
+                    f"TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'")
+            state = dataclasses.replace(state, folder=None, note=note)
+        compile_cache_lib.warn_once(note)
+    _COMPILE_CACHE["state"] = state
+    return state
+
+
 def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
@@ -87,7 +124,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              xla_allreduce: str = "auto", cluster_resolver=None,
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
              input_buffer: Optional[int] = None, compiled_execution: bool = True,
-             autotune_choice: Optional[facts_lib.AutotuneChoice] = None) -> tf.distribute.MirroredStrategy:
+             autotune_choice: Optional[facts_lib.AutotuneChoice] = None,
+             compile_cache="auto") -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -126,6 +164,11 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             runs each execution of N steps as ONE XLA program per replica, where the whole step is in XLA (one
             GPU, or fused mode); False: one program per step, as Keras does (for comparison, or as a way out).
             `tf_nvlink.training.compiled_execution` says how; the plan's summary says which path applies.
+        compile_cache: "auto" (default): XLA programs are kept on disk and read back by later processes of the
+            same model, shapes, TensorFlow, XLA flags and GPUs, in the user's cache folder
+            (`$TF_NVLINK_CACHE_DIR/xla`, else `$XDG_CACHE_HOME/tf_nvlink/xla`, else `~/.cache/tf_nvlink/xla`;
+            `$TF_NVLINK_COMPILE_CACHE` may say "off" or another folder); a folder path; or "off" (None).
+            Applies when the strategy is built before TensorFlow starts (as `xla_flags`). docs/compile_cache.md.
         autotune_choice: what measures the candidates for cross_device_ops="autotune" (`tf_nvlink.strategy()`
             passes `tf_nvlink.tools.tune.autotune_choice`); without it, "autotune" raises ValueError.
 
@@ -147,12 +190,16 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         raise ValueError("cross_device_ops='autotune' measures the candidates through tf_nvlink.strategy(); "
                          "call that, or pass autotune_choice=tf_nvlink.tools.tune.autotune_choice. Valid without "
                          f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
+    cache_setting = compile_cache_lib.validate_setting(compile_cache)
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options) + (
-        None if cluster_resolver is None else id(cluster_resolver),)
+        None if cluster_resolver is None else id(cluster_resolver), cache_setting)
     with _LOCK:
         if _CURRENT:
             return _the_strategy_already_built(key)
         cluster = None if cluster_resolver is not None else cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG"))
+        topology = topology if topology is not None else nvml.probe()
+        prepare_compile_cache(cache_setting, compile_cache_lib.request_text(gpus, devices, xla_allreduce, xla_flags),
+                              topology)
         if cluster_resolver is not None or cluster is not None:
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
@@ -164,6 +211,9 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                                  autotune_choice)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
+    state = current_compile_cache()
+    if state is not None and state.active and not state.users:
+        log.info("tf_nvlink: %s", state.note)
     return built
 
 
@@ -217,8 +267,6 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
                                 or not all(isinstance(d, str) and d.strip() for d in devices)):
         raise ValueError(f"devices should be a non-empty list of TensorFlow device names such as "
                          f"['/gpu:0', '/gpu:1'] or ['/cpu:0', '/cpu:1'], or None. Received: devices={devices!r}")
-    if devices:
-        check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
     ops_name = "auto" if ops_instance is not None else cross_device_ops
     instance_name = type(ops_instance).__name__ if ops_instance is not None else ""
     topology = topology if topology is not None else nvml.probe()
@@ -226,6 +274,8 @@ def _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, 
     _apply_provisional_xla_flags(topology, user_xla_flags, gpus, ops_name, num_packs, xla_allreduce, instance_name,
                                  asked_options)
     try:
+        if devices:
+            check_devices(devices, [d.name for d in tf.config.list_logical_devices()])
         facts = facts_lib.gather_facts(topology, autotune_choice=autotune_choice if ops_name == "autotune" else None,
                                        user_xla_flags=user_xla_flags)
         plan, warnings = policy.decide(facts, gpus, ops_name, num_packs, xla_allreduce, instance_name, asked_options)

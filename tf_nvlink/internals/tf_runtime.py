@@ -110,6 +110,15 @@ def tensorflow_runtime_started() -> bool:
     return bool(getattr(context.context(), "_initialized", False))
 
 
+def tensorflow_devices_listed() -> bool:
+    """True once TensorFlow has listed its physical devices in this process (`context.context()._physical_devices`
+    is set then; the runtime need not have started): TensorFlow has read `TF_XLA_FLAGS` by then."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    handle = context.context()
+    return getattr(handle, "_physical_devices", None) is not None or bool(getattr(handle, "_initialized", False))
+
+
 def coordination_set(key: str, value: str) -> None:
     """Publish `value` under `key` in the coordination service's key-value store (multi-worker; the eager
     context's `set_config_key_value`, only in `tensorflow.python.eager.context`)."""

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 from tf_nvlink.distribute import facts as facts_lib
 from tf_nvlink.machine import tf_devices
-from tf_nvlink.plan import step_options
+from tf_nvlink.plan import compile_cache, step_options
 from tf_nvlink.machine import nvlink_traffic
 from tf_nvlink.plan import policy
 from tf_nvlink.machine.nvml import probe as nvml_probe
@@ -77,6 +77,7 @@ def collect(topology: Optional[Topology] = None, with_tf: bool = True, nvml: Any
                                    no_gpu_cause=data["tensorflow"].get("problem") or "see TensorFlow's view above")
     data["plan"] = _plan_record(plan) if plan is not None else _make_plan(facts, "all")
     data["auto_plan"] = _make_plan(facts, "auto")
+    data["compile_cache"] = compile_cache.summary()
     return data
 
 
@@ -189,6 +190,8 @@ def render_text(data: dict) -> str:
     elif data.get("warnings"):
         sections.append(_render_warnings(data))
     sections += [_render_tf(data), _render_plans(data)]
+    if "compile_cache" in data:  # reports written before the compile cache have none
+        sections.append(compile_cache.summary_line(data["compile_cache"]))
     return "\n\n".join(sections) + "\n"
 
 

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tf_nvlink.internals import trainer as trainer_seams
 from tf_nvlink.training.exact_batches import with_metrics_across_replicas
 from tf_nvlink.training.execution_mode import COMPILED, PER_STEP, execution_mode
+from tf_nvlink.training.first_execution import FirstExecution
 from tf_nvlink.training.fit_loop import steps_asked_for_this_call
 from tf_nvlink.training.input_staging import check_staged_batches_fit, explained_oom
 from tf_nvlink.training.replica_programs import (ReplicaPrograms, execution_body, next_batches, padded,
@@ -76,7 +77,7 @@ class CompiledExecution:
         >>> logs = function(iter(strategy.experimental_distribute_dataset(dataset)))
     """
 
-    def __init__(self, model, step, one_step: Callable):
+    def __init__(self, model, step, one_step: Callable, kind: str = "train"):
         self.model = model
         self.strategy = model.distribute_strategy
         self.steps = model.steps_per_execution
@@ -95,6 +96,8 @@ class CompiledExecution:
         # one went on prefetching beside the next fit) and the batches taken ahead from it are let go.
         self._ahead_of: Callable[[], Any] = lambda: None
         self._checked_memory = False
+        self.first_execution = FirstExecution(model, kind, f"compiled execution: {self.steps} steps as one XLA "
+                                                           f"program per replica")
         self._outer = tf.function(
             lambda batches, count=None: trainer_seams.reduce_step_outputs(self.programs.run(batches, count),
                                                                       self.strategy), autograph=False)
@@ -145,7 +148,8 @@ class CompiledExecution:
     def __call__(self, iterator):
         count = steps_asked_for_this_call(self.steps)
         batches, error = self._take(iterator, count)
-        outputs = self._execute(iterator, batches, take_ahead=error is None) if batches else None
+        with self.first_execution.reported():
+            outputs = self._execute(iterator, batches, take_ahead=error is None) if batches else None
         if error is not None:
             raise error
         if outputs is None:
@@ -191,10 +195,12 @@ def _weak(value, on_release: Callable[[], None]) -> Callable[[], Any]:
         return lambda: value
 
 
-def steps_asked_for(model, function: Callable, one_step: Callable) -> Callable:
+def steps_asked_for(model, function: Callable, one_step: Callable,
+                    first_execution: Optional[FirstExecution] = None) -> Callable:
     """A per-step path's train function that runs the steps the epoch asks for: `function(iterator)` runs
     `model.steps_per_execution` batches; when the epoch asks for fewer (its last execution), `one_step` runs them
     one by one. Its logs read the model's metrics over all replicas (`with_metrics_across_replicas`).
+    `first_execution` reports the first call (what compiles, how long it took).
 
     Example:
         >>> train_function = steps_asked_for(model, keras_function, one_step)
@@ -202,7 +208,11 @@ def steps_asked_for(model, function: Callable, one_step: Callable) -> Callable:
     steps = model.steps_per_execution
 
     def limited(iterator):
-        return with_metrics_across_replicas(model, _steps(iterator))
+        if first_execution is None:
+            return with_metrics_across_replicas(model, _steps(iterator))
+        with first_execution.reported():
+            outputs = _steps(iterator)
+        return with_metrics_across_replicas(model, outputs)
 
     def _steps(iterator):
         count = steps_asked_for_this_call(steps)

@@ -34,6 +34,7 @@ from tf_nvlink.plan.execution import COMPILED, FUSED, PLAIN, SPLIT, per_replica_
 from tf_nvlink.training import exact_batches, replica_sync
 from tf_nvlink.training.compiled_execution import CompiledExecution, steps_asked_for
 from tf_nvlink.training.execution_mode import all_reduces_in_program, execution_mode, step_facts
+from tf_nvlink.training.first_execution import FirstExecution
 from tf_nvlink.training.per_replica_steps import PerReplicaCustomStep, PerReplicaXlaStep
 from tf_nvlink.training.replica_programs import next_batches
 
@@ -61,7 +62,7 @@ def make_function(model, step_function: Callable, keras_make_function: Callable)
     else:
         step = replica_sync.keep_replicas_in_sync(model, PerReplicaXlaStep(model, step_function, kind))
         if mode.path == COMPILED:
-            return CompiledExecution(model, step, one_step_function(model, step))
+            return CompiledExecution(model, step, one_step_function(model, step), kind)
         if mode.unrolled:
             # Keras' multi-step loop fails on an all-reduce without merge_call inside its tf.cond (synchronized
             # BatchNorm on one GPU too), and on the collectives of several workers ("You must feed a value for
@@ -71,7 +72,9 @@ def make_function(model, step_function: Callable, keras_make_function: Callable)
             function = keras_make_function(step, outer_jit=False)  # no one XLA cluster spanning the replicas
         outer_jit = False
     one_step = one_step_function(model, step, jit_compile=outer_jit and bool(model.jit_compile))
-    return steps_asked_for(model, function, one_step)
+    first = FirstExecution(model, kind, f"per-step path, {mode.sync}, steps_per_execution={model.steps_per_execution}"
+                           ) if mode.sync != PLAIN or model.jit_compile else None
+    return steps_asked_for(model, function, one_step, first)
 
 
 def one_step_function(model, step_function: Callable, jit_compile: bool = False):
