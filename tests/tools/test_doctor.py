@@ -8,7 +8,10 @@ import dataclasses
 import importlib.util
 import json
 import re
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -516,9 +519,14 @@ def test_the_doctor_traces_into_the_tensorboard_run_with_its_steps_marked(reques
     assert data["report"]["trace"] == str(trace)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xprof") is None,
+# A Python with TensorBoard's profile plugin (xprof): $XPROF_PYTHON (.ci/run installs the plugin from the package
+# index into a virtualenv of its own: its dependencies are heavy), else this one when it has xprof.
+XPROF_PYTHON = os.environ.get("XPROF_PYTHON") or (sys.executable if importlib.util.find_spec("xprof") else None)
+
+
+@pytest.mark.skipif(XPROF_PYTHON is None,
                     reason="the profile plugin's converter (pip install tensorboard-plugin-profile, which brings "
-                           "xprof) is not installed")
+                           "xprof) is not installed; set XPROF_PYTHON to a Python that has it")
 def test_the_profile_plugins_converter_reads_the_steps(request):
     """TensorBoard's profile plugin (xprof) converts the doctor's trace into its overview page with the 4 steps."""
     data = scenario_result("callback on cpu", request)
@@ -530,7 +538,7 @@ def test_the_profile_plugins_converter_reads_the_steps(request):
             "steps = [row['c'][0]['v'] for t in tables if any(c['id'] == 'stepnum' for c in t.get('cols', []))\n"
             "         for row in t.get('rows') or []]\n"
             "print(json.dumps({'ok': ok, 'steps': steps}))\n")
-    result = run_python(["-c", code, str(trace)], timeout=120)
+    result = subprocess.run([XPROF_PYTHON, "-c", code, str(trace)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert answer == {"ok": True, "steps": ["train 10", "train 11", "train 12", "train 13"]}
