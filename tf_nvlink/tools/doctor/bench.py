@@ -14,14 +14,20 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
+from tf_nvlink.plan import compile_cache
 from tf_nvlink.tools import bench_models
 
 
 def configure(cpu_devices: int = 0, mixed_precision: bool = True):
     """`tf_nvlink.strategy()` over the GPUs (memory growth on, so a peer process can share them) or over
     `cpu_devices` logical CPU devices; sets `mixed_bfloat16` when asked. Call once per process, first."""
+    cpu_names = [f"/device:CPU:{index}" for index in range(cpu_devices)]  # the names TensorFlow gives them
+    if "tensorflow" not in sys.modules:
+        # The compile cache's TF_XLA_FLAGS before TensorFlow lists its devices, for the strategy built below.
+        compile_cache.prepare_process("auto", compile_cache.request_text(devices=cpu_names or None))
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
