@@ -22,11 +22,18 @@ class TfNvlinkStrategyMixin:
 
     _tf_nvlink_plan = None
     _tf_nvlink_runner: Optional[Callable] = None
+    _tf_nvlink_optimizer_states = "replicated"
 
     @property
     def plan(self):
         """The plan this strategy was built from (`policy.Plan`, or `MultiWorkerPlan`); None until attached."""
         return self._tf_nvlink_plan
+
+    @property
+    def optimizer_states(self) -> str:
+        """"replicated" (every replica holds every optimizer state) or "sharded" (each holds its share;
+        `tf_nvlink.training.sharded_states` says how)."""
+        return self._tf_nvlink_optimizer_states
 
     @property
     def xla_allreduce(self) -> str:
@@ -65,6 +72,28 @@ def attach_plan(strategy, plan) -> None:
         True
     """
     _checked(strategy, "attach_plan")._tf_nvlink_plan = plan
+
+
+def attach_optimizer_states(strategy, optimizer_states: str) -> None:
+    """Record how a tf_nvlink strategy keeps its optimizers' states ("replicated" or "sharded"; its builder does this).
+
+    Example:
+        >>> attach_optimizer_states(built, "sharded"); built.optimizer_states
+        'sharded'
+    """
+    _checked(strategy, "attach_optimizer_states")._tf_nvlink_optimizer_states = optimizer_states
+
+
+def shards_optimizer_states(strategy) -> bool:
+    """Whether `strategy` is a tf_nvlink strategy asked for sharded optimizer states with 2+ local replicas (one
+    replica: the replicated path, at no cost).
+
+    Example:
+        >>> shards_optimizer_states(tf.distribute.get_strategy())
+        False
+    """
+    return (is_tf_nvlink_strategy(strategy) and strategy.optimizer_states == "sharded"
+            and len(strategy.extended.worker_devices) > 1)
 
 
 def plan_of(strategy):

@@ -28,7 +28,7 @@ from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.plan import compile_cache as compile_cache_lib
-from tf_nvlink.plan import policy, step_options
+from tf_nvlink.plan import optimizer_sharding, policy, step_options
 
 log = logging.getLogger("tf_nvlink")
 
@@ -125,7 +125,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
              input_buffer: Optional[int] = None, compiled_execution: bool = True,
              autotune_choice: Optional[facts_lib.AutotuneChoice] = None,
-             compile_cache="auto") -> tf.distribute.MirroredStrategy:
+             compile_cache="auto", optimizer_states: str = "replicated") -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -171,6 +171,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             Applies when the strategy is built before TensorFlow starts (as `xla_flags`). docs/compile_cache.md.
         autotune_choice: what measures the candidates for cross_device_ops="autotune" (`tf_nvlink.strategy()`
             passes `tf_nvlink.tools.tune.autotune_choice`); without it, "autotune" raises ValueError.
+        optimizer_states: "replicated" (default: every replica holds every optimizer state) or "sharded" (each
+            replica holds and updates the states of its share of the variables, whole variables balanced by size,
+            and sends the updated weights to the others; one replica: the replicated path). Single host only.
+            docs/sharded_optimizer_states.md.
 
     This builds the strategy only; `tf_nvlink.strategy()` also installs the training hooks (per-replica XLA,
     BatchNorm statistics in sync), and is what programs call.
@@ -191,8 +195,9 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                          "call that, or pass autotune_choice=tf_nvlink.tools.tune.autotune_choice. Valid without "
                          f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
     cache_setting = compile_cache_lib.validate_setting(compile_cache)
+    optimizer_states = optimizer_sharding.validate_optimizer_states(optimizer_states)
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options) + (
-        None if cluster_resolver is None else id(cluster_resolver), cache_setting)
+        None if cluster_resolver is None else id(cluster_resolver), cache_setting, optimizer_states)
     with _LOCK:
         if _CURRENT:
             return _the_strategy_already_built(key)
@@ -201,6 +206,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         prepare_compile_cache(cache_setting, compile_cache_lib.request_text(gpus, devices, xla_allreduce, xla_flags),
                               topology)
         if cluster_resolver is not None or cluster is not None:
+            if optimizer_states != "replicated":
+                raise ValueError("optimizer_states='sharded' is built and tested on a single host only; with several "
+                                 "workers (TF_CONFIG or cluster_resolver) leave optimizer_states='replicated'. "
+                                 f"Valid choices here: ['replicated']. Received: optimizer_states={optimizer_states!r}")
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
                 xla_allreduce=xla_allreduce), asked_options, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,
@@ -209,6 +218,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         else:
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options,
                                  autotune_choice)
+        base.attach_optimizer_states(built, optimizer_states)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     state = current_compile_cache()

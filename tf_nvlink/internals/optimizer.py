@@ -78,6 +78,59 @@ def replace_gradient_allreduce(replacement: Callable) -> bool:
     return REGISTRY.patch(_tf_optimizer_class(), "_all_reduce_sum_gradients", patch)
 
 
+def install_sharded_state_seams(rules) -> None:
+    """Patch Keras' TensorFlow optimizer's slot creation and per-variable update once (sharded optimizer states):
+
+    - `add_variable_from_reference(reference, name, initializer)` (every slot: momentums, velocities, gradient
+      accumulators, EMA averages) -> `rules.optimizer_slot(optimizer, reference, name, initializer, keras_add)`,
+      `keras_add()` being Keras' own (a variable colocated with the reference: mirrored on every replica).
+    - `_distributed_tf_update_step(distribution, grads_and_vars, learning_rate)` (the loop of
+      `distribution.extended.update(var, update_step)` over the variables, in merge_call's cross-replica context or
+      on the no-merge_call path in each replica) -> `rules.optimizer_update(optimizer, distribution, grads_and_vars,
+      learning_rate, keras_update)`, `keras_update()` being Keras' own.
+    """
+    cls = _tf_optimizer_class()
+
+    def slot_patch(original):
+        def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+            return rules.optimizer_slot(self, reference_variable, name, initializer,
+                                        lambda: original(self, reference_variable, name=name, initializer=initializer))
+
+        return add_variable_from_reference
+
+    def update_patch(original):
+        def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+            return rules.optimizer_update(self, distribution, grads_and_vars, learning_rate,
+                                          lambda: original(self, distribution, grads_and_vars, learning_rate))
+
+        return _distributed_tf_update_step
+
+    REGISTRY.patch(cls, "add_variable_from_reference", slot_patch)
+    REGISTRY.patch(cls, "_distributed_tf_update_step", update_patch)
+
+
+def add_variable_on_one_device(optimizer, reference, name, initializer, device: str):
+    """Keras' slot of `reference` (BaseOptimizer's `add_variable_from_reference`: its name, shape, dtype, tracking)
+    created as one plain variable on `device`: MirroredStrategy's variable creator makes a variable colocated with
+    a `numpy_dataset.SingleDevice` on that device alone (`MirroredExtended._create_variable`, TensorFlow 2.21; the
+    creator is what `extended.colocate_vars_with` installs, whose check accepts only the strategy's variables)."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: PLC0415
+    from tensorflow.python.distribute.numpy_dataset import SingleDevice  # noqa: PLC0415
+
+    def on_one_device(next_creator, **kwargs):
+        kwargs.update(use_resource=True, colocate_with=SingleDevice(device))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(on_one_device):
+        return BaseOptimizer.add_variable_from_reference(optimizer, reference, name=name, initializer=initializer)
+
+
+def variable_index(optimizer, variable) -> int:
+    """The index of `variable` (a Keras or tf.Variable, a mirrored one's component too) in the optimizer's list of
+    trainable variables (`_get_variable_index`, keyed by the mirrored container)."""
+    return optimizer._get_variable_index(variable)  # noqa: SLF001
+
+
 def restore_gradient_allreduce() -> None:
     """Put Keras' own `TFOptimizer._all_reduce_sum_gradients` back."""
     REGISTRY.restore(_tf_optimizer_class(), "_all_reduce_sum_gradients")

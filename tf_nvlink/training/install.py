@@ -50,7 +50,7 @@ import tensorflow as tf
 from tf_nvlink.distribute import base
 from tf_nvlink.internals import callbacks, layers, losses, optimizer, trainer
 from tf_nvlink.internals.registry import REGISTRY
-from tf_nvlink.training import exact_batches, fit_loop, gradient_allreduce, input_staging, optimizer_rules
+from tf_nvlink.training import exact_batches, fit_loop, gradient_allreduce, input_staging, optimizer_rules, sharded_states
 from tf_nvlink.training.step_assembly import PerReplicaRunner, make_function
 
 log = logging.getLogger("tf_nvlink")
@@ -77,6 +77,7 @@ KERAS_RULES = types.SimpleNamespace(
     epoch_executions=fit_loop.epoch_executions,
     # internals.optimizer
     optimizer_apply=optimizer_rules.optimizer_apply, clip_gradients=optimizer_rules.clip_gradients,
+    optimizer_slot=sharded_states.optimizer_slot, optimizer_update=sharded_states.optimizer_update,
     # internals.losses
     scale_loss=exact_batches.scale_loss, unscale_loss=exact_batches.unscale_loss,
     reduce_values=exact_batches.reduce_values, compile_loss_call=exact_batches.compile_loss_call,
@@ -130,6 +131,7 @@ def install_keras_seams(rules=KERAS_RULES) -> str | None:
         if problem:
             return problem
         optimizer.install_optimizer_seams(rules)
+        optimizer.install_sharded_state_seams(rules)
         losses.install_loss_seams(rules)
         layers.install_batch_norm_seam(rules)
         callbacks.install_batch_end_dispatch_seam(rules)

@@ -1,0 +1,152 @@
+"""Optimizer states sharded over the replicas: `tf_nvlink.strategy(optimizer_states="sharded")`.
+
+Each trainable variable has one owning replica (`plan.optimizer_sharding.assign_owners`: whole variables, balanced
+by size, over the strategy's local replicas). Its optimizer slots (momentums, velocities, ...) are created on the
+owner's device only, as plain variables (`optimizer_slot`), and only the owner runs the optimizer's `update_step`
+for it (`optimizer_update`); the other replicas then receive the owner's new weights:
+
+- **merge_call path** (plain and split mode, where Keras updates in the strategy's cross-replica context, on one
+  host): the owner's component of the mirrored weight is copied into the other components (a device-to-device
+  copy of each weight, once per step).
+- **no-merge_call path** (fused mode, inside each replica's XLA program; gradient accumulation under tf_nvlink):
+  each replica sends its new value of the weights it owns and zeros for the others in one batched
+  `all_reduce(SUM)` (TensorFlow has no public reduce-scatter or broadcast among replicas), and assigns the sum:
+  x + 0 = x exactly, so every replica holds the owner's weights bit for bit.
+
+The gradients are all-reduced as before (every replica needs only its owned ones, but TensorFlow's replica
+context offers no reduce-scatter). Gradient accumulators stay replicated (each replica accumulates the
+all-reduced gradients), as do the optimizer's step counters and the weight decay of AdamW (applied to every
+replica's copy of the weight, the same on each). What is refused, and why: `check_shardable`.
+
+Example:
+    >>> strategy = tf_nvlink.strategy(optimizer_states="sharded")
+    >>> with strategy.scope():
+    ...     model.compile(optimizer="adam", loss="mse")
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import tensorflow as tf
+
+from tf_nvlink.distribute import base
+from tf_nvlink.internals import optimizer as optimizer_seams
+from tf_nvlink.plan import optimizer_sharding
+
+# The optimizers whose update under sharded states is checked to be one device's (tests/training/
+# test_sharded_states.py); each updates one whole variable at a time from its own slots.
+SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb")
+_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _sharded(optimizer) -> bool:
+    return base.shards_optimizer_states(optimizer_seams.optimizer_strategy(optimizer))
+
+
+def check_shardable(optimizer) -> None:
+    """ValueError unless sharded states keep `optimizer`'s update one device's: a Keras optimizer of SHARDABLE
+    (the class itself, not a subclass, whose update may read other state), without `use_ema`.
+
+    Example:
+        >>> check_shardable(keras.optimizers.Adam())
+    """
+    import keras  # noqa: PLC0415
+
+    name = type(optimizer).__name__
+    if getattr(keras.optimizers, name, None) is not type(optimizer) or name not in SHARDABLE:
+        raise ValueError(
+            f"optimizer_states='sharded' does not support the optimizer {name}: its update is not checked to be "
+            f"exact when each replica updates only the variables it owns (Adafactor keeps factored per-variable "
+            f"state outside its slots; a subclass may read state of other variables). Use one of {list(SHARDABLE)}, "
+            f"or tf_nvlink.strategy(optimizer_states='replicated').")
+    if getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            f"optimizer_states='sharded' does not support use_ema=True ({name}): Keras overwrites every replica's "
+            f"weights with the moving averages on every replica, which would need the averages replicated. Use "
+            f"use_ema=False, or tf_nvlink.strategy(optimizer_states='replicated').")
+
+
+def owners(optimizer) -> tuple:
+    """The owning replica of each of the optimizer's trainable variables (in its order), computed once per list.
+
+    Example:
+        >>> owners(model.optimizer)
+        (0, 1, 1, 0)
+    """
+    variables = optimizer_seams.optimizer_trainable_variables(optimizer)
+    key = tuple(id(v) for v in variables)
+    cached = _OWNERS.get(optimizer)
+    if cached is None or cached[0] != key:
+        sizes = [int(tf.TensorShape(v.shape).num_elements()) * tf.as_dtype(v.dtype).size for v in variables]
+        replicas = len(optimizer_seams.optimizer_strategy(optimizer).extended.worker_devices)
+        cached = (key, optimizer_sharding.assign_owners(sizes, replicas))
+        _OWNERS[optimizer] = cached
+    return cached[1]
+
+
+def owner_of(optimizer, variable) -> int:
+    """The replica that owns `variable` (a trainable variable of the optimizer, or a component of one)."""
+    return owners(optimizer)[optimizer_seams.variable_index(optimizer, variable)]
+
+
+def optimizer_slot(optimizer, reference, name, initializer, keras_add: Callable):
+    """The rule for every slot Keras creates (`add_variable_from_reference`): under sharded states, on the owner's
+    device alone; gradient accumulators stay replicated (each replica adds the all-reduced gradients)."""
+    if not _sharded(optimizer) or name == "gradient_accumulator":
+        return keras_add()
+    check_shardable(optimizer)
+    device = optimizer_seams.optimizer_strategy(optimizer).extended.worker_devices[owner_of(optimizer, reference)]
+    return optimizer_seams.add_variable_on_one_device(optimizer, reference, name, initializer, device)
+
+
+def optimizer_update(optimizer, distribution, grads_and_vars, learning_rate, keras_update: Callable):
+    """The rule for Keras' per-variable update loop: under sharded states, `update_step` on the owner's component
+    only, then every replica gets the owner's new weights (the module doc says how on each path)."""
+    if not _sharded(optimizer):
+        return keras_update()
+    check_shardable(optimizer)
+    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    if tf.distribute.get_replica_context() is None:
+        _update_in_cross_replica_context(optimizer, distribution, pairs, learning_rate)
+    else:
+        _update_in_each_replica(optimizer, distribution, pairs, learning_rate)
+    return None
+
+
+def _update_in_cross_replica_context(optimizer, distribution, pairs, learning_rate) -> None:
+    for grad, var in pairs:
+        parts = distribution.experimental_local_results(var)
+        owner_part = parts[owner_of(optimizer, var)]
+
+        def step(part, g, lr, owner_part=owner_part):
+            if part is owner_part:
+                optimizer.update_step(g, part, lr)
+
+        distribution.extended.update(var, step, args=(grad, learning_rate), group=False)
+        with tf.device(owner_part.device):
+            value = owner_part.read_value()
+        for part in parts:
+            if part is not owner_part:
+                with tf.device(part.device):
+                    part.assign(value)
+
+
+def _update_in_each_replica(optimizer, distribution, pairs, learning_rate) -> None:
+    local = []  # (this replica's component, whether it owns it)
+    for grad, var in pairs:
+        owner_part = distribution.experimental_local_results(var)[owner_of(optimizer, var)]
+
+        def step(part, g, lr, owner_part=owner_part):
+            local.append((part, part is owner_part))
+            if part is owner_part:
+                optimizer.update_step(g, part, lr)
+
+        distribution.extended.update(var, step, args=(grad, learning_rate), group=False)
+    if not local:
+        return
+    sent = [part.read_value() if mine else tf.zeros(part.shape, part.dtype) for part, mine in local]
+    received = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+    for (part, _), value in zip(local, received):
+        part.assign(value)
