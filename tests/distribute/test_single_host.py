@@ -272,6 +272,12 @@ REQUEST_CASES = {  # the strategy's requests, honoured or refused
     "topology='x'": dict(machine="no_driver", call="strategy", kwargs={"topology": "x"}),
     "peer_timeout_s=-5": dict(machine="no_driver", call="strategy",
                                     kwargs={"topology": "FAKE", "peer_timeout_s": -5}),
+    "optimizer_states='zero'": dict(machine="no_driver", call="strategy",
+                                    kwargs={"topology": "FAKE", "optimizer_states": "zero"}),
+    "optimizer_states='sharded', 2 workers": dict(
+        machine="no_driver", call="strategy", kwargs={"topology": "FAKE", "optimizer_states": "sharded"},
+        env={"TF_CONFIG": '{"cluster": {"worker": ["localhost:12345", "localhost:12346"]}, '
+                          '"task": {"type": "worker", "index": 0}}'}),
 }
 
 FAKED_MACHINE_CASES = {**DEGRADE_CASES, **REQUEST_CASES}
@@ -391,6 +397,9 @@ def test_strategy_explicit_gpus_raise_all_falls_back_to_the_cpu(faked_machines):
     ("duplicate devices", ["twice", "Received: devices="]),
     ("topology='x'", ["Topology", "Received: topology='x'"]),
     ("peer_timeout_s=-5", ["positive number", "Received: peer_timeout_s=-5"]),
+    ("optimizer_states='zero'", ["['replicated', 'sharded']", "Received: optimizer_states='zero'"]),
+    ("optimizer_states='sharded', 2 workers", ["single host only", "['replicated']",
+                                               "Received: optimizer_states='sharded'"]),
 ])
 def test_strategy_arguments_validated_up_front(faked_machines, name, needles):
     error = faked_machines[name]["error"]

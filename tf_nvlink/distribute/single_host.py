@@ -196,6 +196,11 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                          f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
     cache_setting = compile_cache_lib.validate_setting(compile_cache)
     optimizer_states = optimizer_sharding.validate_optimizer_states(optimizer_states)
+    if optimizer_states != "replicated" and (
+            cluster_resolver is not None or cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG")) is not None):
+        raise ValueError("optimizer_states='sharded' is built and tested on a single host only; with several workers "
+                         "(TF_CONFIG or cluster_resolver) leave optimizer_states='replicated'. Valid choices there: "
+                         f"['replicated']. Received: optimizer_states={optimizer_states!r}")
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options) + (
         None if cluster_resolver is None else id(cluster_resolver), cache_setting, optimizer_states)
     with _LOCK:
@@ -206,10 +211,6 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         prepare_compile_cache(cache_setting, compile_cache_lib.request_text(gpus, devices, xla_allreduce, xla_flags),
                               topology)
         if cluster_resolver is not None or cluster is not None:
-            if optimizer_states != "replicated":
-                raise ValueError("optimizer_states='sharded' is built and tested on a single host only; with several "
-                                 "workers (TF_CONFIG or cluster_resolver) leave optimizer_states='replicated'. "
-                                 f"Valid choices here: ['replicated']. Received: optimizer_states={optimizer_states!r}")
             built, plan = _build_multi_worker(topology, cluster, cluster_resolver, peer_timeout_s, dict(
                 gpus=gpus, cross_device_ops=cross_device_ops, num_packs=num_packs, devices=devices,
                 xla_allreduce=xla_allreduce), asked_options, dict(xla_flags=xla_flags, allreduce_dtype=allreduce_dtype,

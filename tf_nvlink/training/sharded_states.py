@@ -39,6 +39,16 @@ from tf_nvlink.plan import optimizer_sharding
 # test_sharded_states.py); each updates one whole variable at a time from its own slots.
 SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb")
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NOT_CHECKED = ("its update with each replica updating only the variables it owns is not checked against one "
+                "device (a subclass of a Keras optimizer may read state of other variables too)")
+_NOT_SHARDABLE = {
+    "Adafactor": "its factored second moments are variables of its own (`add_variable`), not slots of a reference "
+                 "variable, so they would stay replicated with only the owner's copy updated; not checked exact",
+    "Nadam": "its `_backend_update_step` updates a momentum product shared by every variable before the "
+             "per-variable update; not checked exact",
+    "Muon": "it updates some variables with AdamW and others by orthogonalising whole matrices; not checked exact",
+    "ScheduleFreeAdamW": "its update keeps and swaps extra copies of the weights; not checked exact",
+}
 
 
 def _sharded(optimizer) -> bool:
@@ -57,10 +67,9 @@ def check_shardable(optimizer) -> None:
     name = type(optimizer).__name__
     if getattr(keras.optimizers, name, None) is not type(optimizer) or name not in SHARDABLE:
         raise ValueError(
-            f"optimizer_states='sharded' does not support the optimizer {name}: its update is not checked to be "
-            f"exact when each replica updates only the variables it owns (Adafactor keeps factored per-variable "
-            f"state outside its slots; a subclass may read state of other variables). Use one of {list(SHARDABLE)}, "
-            f"or tf_nvlink.strategy(optimizer_states='replicated').")
+            f"optimizer_states='sharded' does not support the optimizer {name}: "
+            f"{_NOT_SHARDABLE.get(name, _NOT_CHECKED)}. Use one of {list(SHARDABLE)}, or "
+            f"tf_nvlink.strategy(optimizer_states='replicated').")
     if getattr(optimizer, "use_ema", False):
         raise ValueError(
             f"optimizer_states='sharded' does not support use_ema=True ({name}): Keras overwrites every replica's "
@@ -125,12 +134,12 @@ def _update_in_cross_replica_context(optimizer, distribution, pairs, learning_ra
                 optimizer.update_step(g, part, lr)
 
         distribution.extended.update(var, step, args=(grad, learning_rate), group=False)
-        with tf.device(owner_part.device):
-            value = owner_part.read_value()
-        for part in parts:
+
+        def copy(part, owner_part=owner_part):
             if part is not owner_part:
-                with tf.device(part.device):
-                    part.assign(value)
+                part.assign(owner_part.read_value())
+
+        distribution.extended.update(var, copy, group=False)
 
 
 def _update_in_each_replica(optimizer, distribution, pairs, learning_rate) -> None:
