@@ -20,7 +20,7 @@ import tensorflow as tf  # noqa: E402
 
 LAYOUT = sys.argv[1]
 MODE, REPLICAS = (LAYOUT, 1) if LAYOUT == "single" else (LAYOUT[:-1], int(LAYOUT[-1]))
-cpu = tf.config.list_physical_devices("CPU")[0]
+cpu = tf.config.list_physical_devices("CPU")[0]  # ("plain1": one replica, sharded asked: the replicated path)
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * max(REPLICAS, 2))
 
 import keras  # noqa: E402
@@ -56,6 +56,9 @@ CASES = {
     "adagrad": (lambda: O.Adagrad(0.05), 1, False),
     "lion": (lambda: O.Lion(0.001), 1, False),
     "lamb": (lambda: O.Lamb(0.01), 1, False),
+    "adamax": (lambda: O.Adamax(0.01), 1, False),
+    "adadelta": (lambda: O.Adadelta(1.0), 1, False),
+    "ftrl": (lambda: O.Ftrl(0.05, l1_regularization_strength=0.001), 1, False),
     "clipnorm": (lambda: O.Adam(0.01, clipnorm=0.1), 1, False),
     "clipvalue": (lambda: O.Adam(0.01, clipvalue=0.01), 1, False),
     "accumulate": (lambda: O.Adam(0.01, gradient_accumulation_steps=2), 1, False),
@@ -78,7 +81,7 @@ def build(make_optimizer, batchnorm=False, spe=1, scope=None):
         keras.utils.set_random_seed(5)
         layers = [keras.Input((8,)), keras.layers.Dense(32, activation="relu")]
         if batchnorm:
-            layers.append(keras.layers.BatchNormalization(synchronized=MODE == "fused"))
+            layers.append(keras.layers.BatchNormalization(synchronized=MODE in ("fused", "plain")))
         layers += [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)]
         model = keras.Sequential(layers)
         model.compile(optimizer=optimizer, loss="mse", steps_per_execution=spe,
@@ -160,6 +163,13 @@ def resume():
             "agree": replicas_agree(sharded), "slot_devices": len(devices)}
 
 
+def slot_kinds():
+    """The classes of the slots' TensorFlow variables (one replica: Keras' own, mirrored)."""
+    model = build(lambda: O.Adam(0.01))
+    model.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)
+    return sorted({type(v.value).__name__ for v in state_variables(model.optimizer).values()})
+
+
 def refused(name):
     model = build(REFUSED[name])
     try:
@@ -176,5 +186,5 @@ for case in sys.argv[2].split(","):
     elif case.startswith("refused_"):
         results[case] = refused(case)
     else:
-        results[case] = {"memory": memory, "save": save, "resume": resume}[case]()
+        results[case] = {"memory": memory, "save": save, "resume": resume, "slot_kinds": slot_kinds}[case]()
 print(json.dumps(results))

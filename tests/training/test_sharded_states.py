@@ -20,7 +20,7 @@ import scenarios
 _CASES = str(Path(__file__).resolve().parent / "sharded_states_cases.py")
 MAIN = ["sgd_momentum", "adam", "adamw", "adamw_global_clipnorm", "sgd_momentum_spe3", "adam_spe3",
         "adamw_global_clipnorm_spe3"]
-REST = ["rmsprop", "adagrad", "lion", "lamb", "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale",
+REST = ["rmsprop", "adagrad", "lion", "lamb", "adamax", "adadelta", "ftrl", "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale",
         "batchnorm", "batchnorm_spe3"]
 CHECKS = ["memory", "save", "resume", "refused_adafactor", "refused_nadam", "refused_ema"]
 SPLIT_MAIN = ["adam", "adamw_global_clipnorm", "sgd_momentum_spe3"]
@@ -36,9 +36,17 @@ def _scenario(name, layout, cases, slow):
 SINGLE = _scenario("sharded_states_single", "single", MAIN, slow=False)
 FUSED2 = _scenario("sharded_states_fused2", "fused2", MAIN + CHECKS, slow=False)
 SPLIT4 = _scenario("sharded_states_split4", "split4", SPLIT_MAIN + ["memory"], slow=False)
+ONE = _scenario("sharded_states_plain1", "plain1", ["adam", "slot_kinds"], slow=False)
+BATCHNORM = ["batchnorm", "batchnorm_spe3"]  # synchronized BatchNorm: fused and plain (split mode refuses it)
+
+
+def _slow_cases(layout):
+    cases = (REST if layout == "fused2" else MAIN + REST) + ["memory"]
+    return [case for case in cases if not (layout.startswith("split") and case in BATCHNORM)]
+
+
 SLOW = {"single": _scenario("sharded_states_single_slow", "single", REST, slow=True),
-        **{layout: _scenario(f"sharded_states_{layout}_slow", layout,
-                             (REST if layout == "fused2" else MAIN + REST) + ["memory"], slow=True)
+        **{layout: _scenario(f"sharded_states_{layout}_slow", layout, _slow_cases(layout), slow=True)
            for layout in ("fused2", "fused4", "split2", "split4", "plain2")}}
 
 
@@ -69,10 +77,24 @@ def test_split_four_replicas_train_as_one_device(case):
 @pytest.mark.parametrize("layout", ["fused2", "fused4", "split2", "split4", "plain2"])
 @pytest.mark.parametrize("case", MAIN + REST)
 def test_every_case_trains_as_one_device(layout, case):
+    if case in BATCHNORM and layout.startswith("split"):
+        pytest.skip("split mode refuses synchronized BatchNorm; unsynchronized statistics are each replica's")
     results = SLOW[layout].result("all")
     if case not in results:
         pytest.skip(f"{case} runs on {layout} in the default tier")
     _assert_as_one_device(case, results[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fused2", "fused4", "split2", "split4", "plain2"])
+def test_slots_sit_on_their_owners_device_in_every_layout(layout):
+    _assert_memory_bound(SLOW[layout].result("all")["memory"], int(layout[-1]))
+
+
+def test_one_replica_takes_the_replicated_path():
+    results = ONE.result("all")
+    assert results["slot_kinds"] == ["MirroredVariable"]  # Keras' own slots, no owner
+    _assert_as_one_device("adam", results["adam"])
 
 
 def _assert_memory_bound(memory, replicas):

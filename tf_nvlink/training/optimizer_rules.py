@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tf_nvlink.distribute import base
 from tf_nvlink.internals import layers, optimizer as optimizer_seams, tf_runtime
-from tf_nvlink.training import thread_state
+from tf_nvlink.training import sharded_states, thread_state
 
 
 class OptimizerNotBuiltWhileTracing(Exception):  # noqa: N818 - a signal to the step, not an error for users
@@ -157,8 +157,12 @@ def _accumulate_without_merge_call(optimizer, keras_apply: Callable, grads, trai
     with thread_state.setting(clip_later=True):  # Keras clips the accumulated mean, once these are global
         reduced = optimizer_seams.all_reduce_gradients(optimizer, list(zip(grads, variables)))
     optimizer_seams.apply_without_reducing_again(optimizer, lambda: thread_state.current().gradients_reduced)
-    with thread_state.setting(gradients_reduced=True), replica_local_counters(optimizer):
-        return keras_apply([g for g, _ in reduced], None if trainable_variables is None else [v for _, v in reduced])
+    sharded = sharded_states.shards(optimizer)
+    with thread_state.setting(gradients_reduced=True, send_weights_later=sharded), replica_local_counters(optimizer):
+        applied = keras_apply([g for g, _ in reduced], None if trainable_variables is None else [v for _, v in reduced])
+    if sharded:  # the owners updated inside Keras' cond; their weights reach every replica here
+        sharded_states.send_owned_weights(optimizer, variables)
+    return applied
 
 
 @contextlib.contextmanager

@@ -34,16 +34,18 @@ import tensorflow as tf
 from tf_nvlink.distribute import base
 from tf_nvlink.internals import optimizer as optimizer_seams
 from tf_nvlink.plan import optimizer_sharding
+from tf_nvlink.training import thread_state
 
 # The optimizers whose update under sharded states is checked to be one device's (tests/training/
 # test_sharded_states.py); each updates one whole variable at a time from its own slots.
-SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb")
+SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb", "Adamax", "Adadelta", "Ftrl")
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _NOT_CHECKED = ("its update with each replica updating only the variables it owns is not checked against one "
                 "device (a subclass of a Keras optimizer may read state of other variables too)")
 _NOT_SHARDABLE = {
     "Adafactor": "its factored second moments are variables of its own (`add_variable`), not slots of a reference "
-                 "variable, so they would stay replicated with only the owner's copy updated; not checked exact",
+                 "variable: they would stay mirrored with only the owner's copy updated, and a checkpoint, which "
+                 "reads replica 0's copy, could save a stale one",
     "Nadam": "its `_backend_update_step` updates a momentum product shared by every variable before the "
              "per-variable update; not checked exact",
     "Muon": "it updates some variables with AdamW and others by orthogonalising whole matrices; not checked exact",
@@ -126,20 +128,47 @@ def optimizer_update(optimizer, distribution, grads_and_vars, learning_rate, ker
 
 def _update_in_cross_replica_context(optimizer, distribution, pairs, learning_rate) -> None:
     for grad, var in pairs:
-        parts = distribution.experimental_local_results(var)
-        owner_part = parts[owner_of(optimizer, var)]
+        owner_part = distribution.experimental_local_results(var)[owner_of(optimizer, var)]
 
         def step(part, g, lr, owner_part=owner_part):
             if part is owner_part:
                 optimizer.update_step(g, part, lr)
 
         distribution.extended.update(var, step, args=(grad, learning_rate), group=False)
+        _copy_from_owner(optimizer, distribution, var)
 
-        def copy(part, owner_part=owner_part):
-            if part is not owner_part:
-                part.assign(owner_part.read_value())
 
-        distribution.extended.update(var, copy, group=False)
+def _copy_from_owner(optimizer, distribution, var) -> None:
+    """In the cross-replica context: the owner's component of `var` copied into the others (through
+    `extended.update`, each copy on its component's device; direct assigns failed in Keras' multi-step loop)."""
+    owner_part = distribution.experimental_local_results(var)[owner_of(optimizer, var)]
+
+    def copy(part):
+        if part is not owner_part:
+            part.assign(owner_part.read_value())
+
+    distribution.extended.update(var, copy, group=False)
+
+
+def shards(optimizer) -> bool:
+    """Whether `optimizer`'s states are sharded (a tf_nvlink strategy asked for it, with 2+ local replicas)."""
+    return _sharded(optimizer)
+
+
+def send_owned_weights(optimizer, variables) -> None:
+    """From each replica of a step, outside Keras' accumulation cond (merge_call allowed): the owners' weights
+    copied to every replica. Gradient accumulation under merge_call updates inside Keras' cond on the no-merge_call
+    path, where an all-reduce fails in Keras' multi-step loop; the update there sends nothing
+    (`thread_state.send_weights_later`), and this sends every step (an unchanged weight copies itself: exact).
+
+    Example:
+        >>> send_owned_weights(optimizer, trainable_variables)
+    """
+    def copy_all(distribution):
+        for var in variables:
+            _copy_from_owner(optimizer, distribution, getattr(var, "value", var))
+
+    tf.distribute.get_replica_context().merge_call(copy_all)
 
 
 def _update_in_each_replica(optimizer, distribution, pairs, learning_rate) -> None:
@@ -153,7 +182,7 @@ def _update_in_each_replica(optimizer, distribution, pairs, learning_rate) -> No
                 optimizer.update_step(g, part, lr)
 
         distribution.extended.update(var, step, args=(grad, learning_rate), group=False)
-    if not local:
+    if not local or thread_state.current().send_weights_later:
         return
     sent = [part.read_value() if mine else tf.zeros(part.shape, part.dtype) for part, mine in local]
     received = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)

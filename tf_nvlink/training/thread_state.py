@@ -42,6 +42,8 @@ class ThreadState:
     gradients_reduced: bool = False
     clipping_reduced: bool = False
     clip_later: bool = False
+    # sharded optimizer states, accumulation under merge_call: the owner's weights sent after Keras' cond
+    send_weights_later: bool = False
     # replica_sync: the Keras variables the step wrote (id -> variable), while recording.
     written: Optional[dict] = None
     # fit_loop: the steps the epoch asks of the train/test function called now in this (the training) thread.
