@@ -170,6 +170,35 @@ def slot_kinds():
     return sorted({type(v.value).__name__ for v in state_variables(model.optimizer).values()})
 
 
+def save_weights():
+    """What BackupAndRestore and tf_nvlink's AtomicBackupAndRestore write and read (`save_weights`/`load_weights`,
+    the optimizer's variables included): a sharded run restored into another sharded model, slots and all, and
+    both continue alike."""
+    first = build(lambda: O.Adam(0.01))
+    first.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), "backup.weights.h5")
+    first.save_weights(path)
+    second = build(lambda: O.Adam(0.02))
+    second.fit(x[:25], y[:25], batch_size=25, epochs=1, shuffle=False, verbose=0)  # built, its slots elsewhere
+    second.load_weights(path)
+    mine, theirs = list(state_variables(first.optimizer).values()), list(state_variables(second.optimizer).values())
+    slots = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(mine, theirs))
+    for model in (first, second):
+        model.fit(x, y, batch_size=25, epochs=1, shuffle=False, verbose=0)
+    return {"slots": slots, "agree": replicas_agree(second),
+            "difference": max(float(np.max(np.abs(a - b))) for a, b in zip(first.get_weights(), second.get_weights()))}
+
+
+def request_key():
+    """optimizer_states is part of the request: the same returns the strategy, the other one raises."""
+    same = tf_nvlink.strategy(devices=devices, cross_device_ops="collective", optimizer_states="sharded")
+    try:
+        tf_nvlink.strategy(devices=devices, cross_device_ops="collective")
+    except RuntimeError as error:
+        return {"same": same is strategy, "other": str(error)}
+    return {"same": same is strategy, "other": None}
+
+
 def refused(name):
     model = build(REFUSED[name])
     try:
@@ -186,5 +215,6 @@ for case in sys.argv[2].split(","):
     elif case.startswith("refused_"):
         results[case] = refused(case)
     else:
-        results[case] = {"memory": memory, "save": save, "resume": resume, "slot_kinds": slot_kinds}[case]()
+        results[case] = {"memory": memory, "save": save, "resume": resume, "slot_kinds": slot_kinds,
+                         "request_key": request_key, "save_weights": save_weights}[case]()
 print(json.dumps(results))

@@ -22,7 +22,7 @@ MAIN = ["sgd_momentum", "adam", "adamw", "adamw_global_clipnorm", "sgd_momentum_
         "adamw_global_clipnorm_spe3"]
 REST = ["rmsprop", "adagrad", "lion", "lamb", "adamax", "adadelta", "ftrl", "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale",
         "batchnorm", "batchnorm_spe3"]
-CHECKS = ["memory", "save", "resume", "refused_adafactor", "refused_nadam", "refused_ema"]
+CHECKS = ["memory", "save", "resume", "save_weights", "request_key", "refused_adafactor", "refused_nadam", "refused_ema"]
 SPLIT_MAIN = ["adam", "adamw_global_clipnorm", "sgd_momentum_spe3"]
 
 
@@ -89,6 +89,16 @@ def test_every_case_trains_as_one_device(layout, case):
 @pytest.mark.parametrize("layout", ["fused2", "fused4", "split2", "split4", "plain2"])
 def test_slots_sit_on_their_owners_device_in_every_layout(layout):
     _assert_memory_bound(SLOW[layout].result("all")["memory"], int(layout[-1]))
+
+
+def test_backup_weights_restore_the_slots_of_a_sharded_run():
+    restored = FUSED2.result("all")["save_weights"]
+    assert restored["slots"] == 0.0 and restored["agree"] and restored["difference"] < 1e-6
+
+
+def test_optimizer_states_is_part_of_the_strategy_request():
+    key = FUSED2.result("all")["request_key"]
+    assert key["same"] and "different request" in key["other"]
 
 
 def test_one_replica_takes_the_replicated_path():

@@ -222,6 +222,10 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         base.attach_optimizer_states(built, optimizer_states)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
+    if optimizer_states == "sharded":
+        log.info("tf_nvlink: optimizer states sharded over the %d local replicas (%s)",
+                 len(built.extended.worker_devices), "each holds and updates its share" if base.shards_optimizer_states(built)
+                 else "one replica: the replicated path")
     state = current_compile_cache()
     if state is not None and state.active and not state.users:
         log.info("tf_nvlink: %s", state.note)

@@ -53,7 +53,13 @@ _NOT_SHARDABLE = {
 }
 
 
-def _sharded(optimizer) -> bool:
+def shards(optimizer) -> bool:
+    """Whether `optimizer`'s states are sharded (a tf_nvlink strategy asked for it, with 2+ local replicas).
+
+    Example:
+        >>> shards(model.optimizer)
+        True
+    """
     return base.shards_optimizer_states(optimizer_seams.optimizer_strategy(optimizer))
 
 
@@ -105,7 +111,7 @@ def owner_of(optimizer, variable) -> int:
 def optimizer_slot(optimizer, reference, name, initializer, keras_add: Callable):
     """The rule for every slot Keras creates (`add_variable_from_reference`): under sharded states, on the owner's
     device alone; gradient accumulators stay replicated (each replica adds the all-reduced gradients)."""
-    if not _sharded(optimizer) or name == "gradient_accumulator":
+    if not shards(optimizer) or name == "gradient_accumulator":
         return keras_add()
     check_shardable(optimizer)
     device = optimizer_seams.optimizer_strategy(optimizer).extended.worker_devices[owner_of(optimizer, reference)]
@@ -115,7 +121,7 @@ def optimizer_slot(optimizer, reference, name, initializer, keras_add: Callable)
 def optimizer_update(optimizer, distribution, grads_and_vars, learning_rate, keras_update: Callable):
     """The rule for Keras' per-variable update loop: under sharded states, `update_step` on the owner's component
     only, then every replica gets the owner's new weights (the module doc says how on each path)."""
-    if not _sharded(optimizer):
+    if not shards(optimizer):
         return keras_update()
     check_shardable(optimizer)
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -148,11 +154,6 @@ def _copy_from_owner(optimizer, distribution, var) -> None:
             part.assign(owner_part.read_value())
 
     distribution.extended.update(var, copy, group=False)
-
-
-def shards(optimizer) -> bool:
-    """Whether `optimizer`'s states are sharded (a tf_nvlink strategy asked for it, with 2+ local replicas)."""
-    return _sharded(optimizer)
 
 
 def send_owned_weights(optimizer, variables) -> None:
