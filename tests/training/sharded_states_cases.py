@@ -26,6 +26,7 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras  # noqa: E402
 import tf_nvlink  # noqa: E402
 
+STATES = os.environ.get("STATES", "sharded")  # STATES=replicated: the same cases without sharding, to compare
 if MODE == "single":
     strategy = tf.distribute.get_strategy()
 else:
@@ -37,10 +38,10 @@ else:
         from tf_nvlink.internals import tf_runtime  # noqa: E402
 
         tf_runtime.emulate_fused_mode_on_cpu()
-        strategy = tf_nvlink.strategy(devices=devices, cross_device_ops="collective", optimizer_states=os.environ.get("STATES", "sharded"))
+        strategy = tf_nvlink.strategy(devices=devices, cross_device_ops="collective", optimizer_states=STATES)
         base.attach_plan(strategy, dataclasses.replace(strategy.plan, xla_allreduce="fused"))
     else:
-        strategy = tf_nvlink.strategy(devices=devices, optimizer_states=os.environ.get("STATES", "sharded"))
+        strategy = tf_nvlink.strategy(devices=devices, optimizer_states=STATES)
 
 O = keras.optimizers
 # name: (optimizer, steps_per_execution, with BatchNorm)
@@ -57,6 +58,8 @@ CASES = {
     "lion": (lambda: O.Lion(0.001), 1, False),
     "lamb": (lambda: O.Lamb(0.01), 1, False),
     "adamax": (lambda: O.Adamax(0.01), 1, False),
+    "nadam": (lambda: O.Nadam(0.01), 1, False),
+    "nadam_accumulate_spe3": (lambda: O.Nadam(0.01, gradient_accumulation_steps=2), 3, False),
     "adadelta": (lambda: O.Adadelta(1.0), 1, False),
     "ftrl": (lambda: O.Ftrl(0.05, l1_regularization_strength=0.001), 1, False),
     "clipnorm": (lambda: O.Adam(0.01, clipnorm=0.1), 1, False),
@@ -67,7 +70,11 @@ CASES = {
     "batchnorm": (lambda: O.Adam(0.01), 1, True),
     "batchnorm_spe3": (lambda: O.Adam(0.01), 3, True),
 }
-REFUSED = {"refused_adafactor": lambda: O.Adafactor(0.01), "refused_nadam": lambda: O.Nadam(0.01),
+class MyAdam(O.Adam):
+    """An optimizer of the user's own (a subclass): its update may read anything."""
+
+
+REFUSED = {"refused_adafactor": lambda: O.Adafactor(0.01), "refused_subclass": lambda: MyAdam(0.01),
            "refused_ema": lambda: O.Adam(0.01, use_ema=True)}
 
 rng = np.random.default_rng(0)

@@ -6,8 +6,8 @@ checkpoints whole, and the optimizers and options not made exact refused.
 `sharded_states_cases.py` trains every case in one process per layout. The default run: fused mode (the GPU path,
 emulated on CPU replicas) on 2 replicas with the main optimizers per step and in the compiled execution, the
 checkpoints and the refusals; split mode on 4 replicas with the main optimizers. The slow tier: every case on
-fused 2 and 4, split 2 and 4 and plain 2 replicas (RMSprop, Adagrad, Lion, LAMB, clipnorm, clipvalue, gradient
-accumulation, a LossScaleOptimizer, BatchNorm).
+fused 2 and 4, split 2 and 4 and plain 2 replicas (RMSprop, Adagrad, Lion, LAMB, Adamax, Adadelta, Ftrl, Nadam,
+clipnorm, clipvalue, gradient accumulation, a LossScaleOptimizer, synchronized BatchNorm).
 """
 
 from pathlib import Path
@@ -20,9 +20,11 @@ import scenarios
 _CASES = str(Path(__file__).resolve().parent / "sharded_states_cases.py")
 MAIN = ["sgd_momentum", "adam", "adamw", "adamw_global_clipnorm", "sgd_momentum_spe3", "adam_spe3",
         "adamw_global_clipnorm_spe3"]
-REST = ["rmsprop", "adagrad", "lion", "lamb", "adamax", "adadelta", "ftrl", "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale",
+REST = ["rmsprop", "adagrad", "lion", "lamb", "adamax", "adadelta", "ftrl", "nadam", "nadam_accumulate_spe3",
+        "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale",
         "batchnorm", "batchnorm_spe3"]
-CHECKS = ["memory", "save", "resume", "save_weights", "request_key", "refused_adafactor", "refused_nadam", "refused_ema"]
+CHECKS = ["memory", "save", "resume", "save_weights", "request_key", "refused_adafactor", "refused_subclass",
+          "refused_ema"]
 SPLIT_MAIN = ["adam", "adamw_global_clipnorm", "sgd_momentum_spe3"]
 
 
@@ -131,7 +133,7 @@ def test_a_one_device_checkpoint_resumes_under_sharded_states():
 
 
 @pytest.mark.parametrize("case, names", [("refused_adafactor", "Adafactor: its factored second moments"),
-                                         ("refused_nadam", "Nadam: its `_backend_update_step`"),
+                                         ("refused_subclass", "MyAdam: its update with each replica"),
                                          ("refused_ema", "use_ema=True (Adam)")])
 def test_what_is_not_exact_is_refused_naming_it_and_the_valid_choices(case, names):
     error = FUSED2.result("all")[case]["error"]

@@ -38,7 +38,7 @@ from tf_nvlink.training import thread_state
 
 # The optimizers whose update under sharded states is checked to be one device's (tests/training/
 # test_sharded_states.py); each updates one whole variable at a time from its own slots.
-SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb", "Adamax", "Adadelta", "Ftrl")
+SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb", "Adamax", "Adadelta", "Ftrl", "Nadam")
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _NOT_CHECKED = ("its update with each replica updating only the variables it owns is not checked against one "
                 "device (a subclass of a Keras optimizer may read state of other variables too)")
@@ -46,8 +46,6 @@ _NOT_SHARDABLE = {
     "Adafactor": "its factored second moments are variables of its own (`add_variable`), not slots of a reference "
                  "variable: they would stay mirrored with only the owner's copy updated, and a checkpoint, which "
                  "reads replica 0's copy, could save a stale one",
-    "Nadam": "its `_backend_update_step` updates a momentum product shared by every variable before the "
-             "per-variable update; not checked exact",
     "Muon": "it updates some variables with AdamW and others by orthogonalising whole matrices; not checked exact",
     "ScheduleFreeAdamW": "its update keeps and swaps extra copies of the weights; not checked exact",
 }
