@@ -134,8 +134,12 @@ def memory():
             held[device] = held.get(device, 0) + size
         reference = path.rsplit("_", 1)[0]
         per_variable[reference] = per_variable.get(reference, 0) + size
+    from tf_nvlink.training import sharded_states  # noqa: PLC0415
+
     return {"held": [held.get(i, 0) for i in range(REPLICAS)], "replicated": sum(per_variable.values()),
-            "largest": max(per_variable.values())}
+            "largest": max(per_variable.values()), "table": sharded_states.memory_table(model.optimizer),
+            "counters": sum(int(np.prod(v.shape)) * v.value.dtype.size for v in model.optimizer.variables
+                            if v.path.split("/")[-1] in ("iteration", "learning_rate"))}
 
 
 def save():

@@ -114,6 +114,11 @@ def _assert_memory_bound(memory, replicas):
     assert len(memory["held"]) == replicas and sum(memory["held"]) == memory["replicated"]
     for held in memory["held"]:
         assert 0 < held <= memory["replicated"] / replicas + memory["largest"]
+    # the table tf_nvlink computes (sharded_states.memory_table) says what the placement shows
+    table = memory["table"]
+    assert table["replicated"]["optimizer_states"] == memory["replicated"] + memory["counters"]
+    assert table["sharded"]["optimizer_states"] == max(memory["held"]) + memory["counters"]
+    assert table["sharded"]["weights"] == table["replicated"]["gradients"] == memory["replicated"] // 2  # Adam: 2 slots
 
 
 def test_slots_sit_on_their_owners_device_only():

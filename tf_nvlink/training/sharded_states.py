@@ -40,6 +40,7 @@ from tf_nvlink.training import thread_state
 # test_sharded_states.py); each updates one whole variable at a time from its own slots.
 SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb", "Adamax", "Adadelta", "Ftrl", "Nadam")
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SLOT_BYTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> {variable index: slot bytes}
 _NOT_CHECKED = ("its update with each replica updating only the variables it owns is not checked against one "
                 "device (a subclass of a Keras optimizer may read state of other variables too)")
 _NOT_SHARDABLE = {
@@ -94,7 +95,7 @@ def owners(optimizer) -> tuple:
     key = tuple(id(v) for v in variables)
     cached = _OWNERS.get(optimizer)
     if cached is None or cached[0] != key:
-        sizes = [int(tf.TensorShape(v.shape).num_elements()) * tf.as_dtype(v.dtype).size for v in variables]
+        sizes = [_variable_bytes(v) for v in variables]
         replicas = len(optimizer_seams.optimizer_strategy(optimizer).extended.worker_devices)
         cached = (key, optimizer_sharding.assign_owners(sizes, replicas))
         _OWNERS[optimizer] = cached
@@ -106,14 +107,49 @@ def owner_of(optimizer, variable) -> int:
     return owners(optimizer)[optimizer_seams.variable_index(optimizer, variable)]
 
 
+def _variable_bytes(variable) -> int:
+    return int(tf.TensorShape(variable.shape).num_elements()) * tf.as_dtype(variable.dtype).size
+
+
 def optimizer_slot(optimizer, reference, name, initializer, keras_add: Callable):
     """The rule for every slot Keras creates (`add_variable_from_reference`): under sharded states, on the owner's
-    device alone; gradient accumulators stay replicated (each replica adds the all-reduced gradients)."""
-    if not shards(optimizer) or name == "gradient_accumulator":
+    device alone; gradient accumulators stay replicated (each replica adds the all-reduced gradients). Under any
+    tf_nvlink strategy the slot's bytes are recorded for `memory_table`."""
+    sharded = shards(optimizer) and name != "gradient_accumulator"
+    if sharded:
+        check_shardable(optimizer)
+    if base.is_tf_nvlink_strategy(optimizer_seams.optimizer_strategy(optimizer)) and name not in (
+            "gradient_accumulator", "average"):  # EMA averages are made before the variables are indexed
+        recorded = _SLOT_BYTES.setdefault(optimizer, {})
+        index = optimizer_seams.variable_index(optimizer, reference)
+        recorded[index] = recorded.get(index, 0) + _variable_bytes(reference)
+    if not sharded:
         return keras_add()
-    check_shardable(optimizer)
     device = optimizer_seams.optimizer_strategy(optimizer).extended.worker_devices[owner_of(optimizer, reference)]
     return optimizer_seams.add_variable_on_one_device(optimizer, reference, name, initializer, device)
+
+
+def memory_table(optimizer, replicas: int | None = None) -> dict:
+    """Bytes on the fullest replica of a built optimizer's weights, gradients and optimizer states, replicated and
+    sharded over `replicas` (default: its strategy's local replicas), as `optimizer_sharding.memory_per_replica`
+    gives them: the slots by owner, everything else the optimizer keeps (step counters, accumulators) whole.
+    `optimizer_sharding.format_memory_table` prints it. Built under a tf_nvlink strategy (the slots are recorded
+    as they are created).
+
+    Example:
+        >>> print(optimizer_sharding.format_memory_table(memory_table(model.optimizer), 2))
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    variables = optimizer_seams.optimizer_trainable_variables(inner)
+    replicas = replicas or len(optimizer_seams.optimizer_strategy(inner).extended.worker_devices)
+    slots = _SLOT_BYTES.get(inner, {})
+    states = [slots.get(index, 0) for index in range(len(variables))]
+    others = sum(_variable_bytes(v) for v in optimizer.variables) - sum(states)
+    weights = sum(_variable_bytes(v) for v in variables)
+    owned = optimizer_sharding.bytes_per_replica(
+        states, optimizer_sharding.assign_owners([_variable_bytes(v) for v in variables], replicas), replicas)
+    return {"replicated": {"weights": weights, "gradients": weights, "optimizer_states": sum(states) + others},
+            "sharded": {"weights": weights, "gradients": weights, "optimizer_states": max(owned) + others}}
 
 
 def optimizer_update(optimizer, distribution, grads_and_vars, learning_rate, keras_update: Callable):
