@@ -67,6 +67,8 @@ CASES = {
     "accumulate": (lambda: O.Adam(0.01, gradient_accumulation_steps=2), 1, False),
     "accumulate_spe3": (lambda: O.Adam(0.01, gradient_accumulation_steps=2), 3, False),
     "loss_scale": (lambda: O.LossScaleOptimizer(O.Adam(0.01), initial_scale=2.0 ** 10), 1, False),
+    "loss_scale_accumulate": (lambda: O.LossScaleOptimizer(O.Adam(0.01, gradient_accumulation_steps=2),
+                                                           initial_scale=2.0 ** 10), 1, False),
     "batchnorm": (lambda: O.Adam(0.01), 1, True),
     "batchnorm_spe3": (lambda: O.Adam(0.01), 3, True),
 }

@@ -21,7 +21,7 @@ _CASES = str(Path(__file__).resolve().parent / "sharded_states_cases.py")
 MAIN = ["sgd_momentum", "adam", "adamw", "adamw_global_clipnorm", "sgd_momentum_spe3", "adam_spe3",
         "adamw_global_clipnorm_spe3"]
 REST = ["rmsprop", "adagrad", "lion", "lamb", "adamax", "adadelta", "ftrl", "nadam", "nadam_accumulate_spe3",
-        "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale",
+        "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale", "loss_scale_accumulate",
         "batchnorm", "batchnorm_spe3"]
 CHECKS = ["memory", "save", "resume", "save_weights", "request_key", "refused_adafactor", "refused_subclass",
           "refused_ema"]

@@ -199,9 +199,11 @@ def send_owned_weights(optimizer, variables) -> None:
     Example:
         >>> send_owned_weights(optimizer, trainable_variables)
     """
+    owner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's slots are its inner one's
+
     def copy_all(distribution):
         for var in variables:
-            _copy_from_owner(optimizer, distribution, getattr(var, "value", var))
+            _copy_from_owner(owner, distribution, getattr(var, "value", var))
 
     tf.distribute.get_replica_context().merge_call(copy_all)
 
