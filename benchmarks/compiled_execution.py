@@ -20,6 +20,8 @@ after a warm-up fit that compiles:
                program does not wait for, so they run beside it and no element waits for a device-to-host copy;
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
+  sharded      the compiled execution with `optimizer_states="sharded"` (each replica holds and updates its share of
+               the optimizer's slots; on one GPU the replicated path runs, which this row checks costs nothing);
   torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
   advised      the compiled execution at the N the step doctor advises for the spe=1 model (--doctor_n, when
                that N is not --steps_per_execution).
@@ -59,8 +61,9 @@ from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
 SETUPS = ("spe=1", "per-step", "compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident",
-          "torch")
-COMPILED_SETUPS = ("compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "advised")
+          "sharded", "torch")
+COMPILED_SETUPS = ("compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "sharded",
+                   "advised")
 PROFILED_SETUPS = ("compiled", "host-input", "deep")  # the doctor profiles those run, after the rounds
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
@@ -96,11 +99,13 @@ def count_on_device(model) -> None:
     function.steps = model.steps_per_execution + 1
 
 
-def set_plan(strategy, plan) -> None:
-    """Plans switched inside one process: the train function reads it when built, the input at each fit."""
+def set_plan(strategy, plan, setup: str = "") -> None:
+    """Plans switched inside one process: the train function reads it when built, the input at each fit; the
+    optimizer states are sharded for the "sharded" setup (read when its optimizer is built and traced)."""
     from tf_nvlink.distribute import base  # noqa: PLC0415
 
     base.attach_plan(strategy, plan)
+    base.attach_optimizer_states(strategy, "sharded" if setup == "sharded" else "replicated")
 
 
 def build(name, strategy, batch, steps_per_execution, resident=False):
@@ -147,7 +152,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
 
     def add(setup, n):
         plans[setup] = plan_for(strategy, setup, n)
-        set_plan(strategy, plans[setup])
+        set_plan(strategy, plans[setup], setup)
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
                                              resident=setup == "resident")
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
@@ -162,6 +167,11 @@ def bench_model(name: str, strategy, setups: list) -> dict:
             count_on_device(model)
             compile_s[setup] += timed_fit(model, dataset, 2 * n)  # the program with the tensor count compiles
         paths[setup] = compiled_execution.execution_path(model)
+        if setup == "sharded":  # one replica keeps the replicated path
+            from tf_nvlink.distribute import base  # noqa: PLC0415
+
+            paths[setup] = (*paths[setup], "states sharded" if base.shards_optimizer_states(strategy)
+                            else "states replicated (one replica)")
         models[setup] = (model, dataset)
         return global_batch
 
@@ -189,7 +199,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
             order = setups[round_index % len(setups):] + setups[:round_index % len(setups)]
             for setup in order:
                 if setup != "torch":
-                    set_plan(strategy, plans[setup])
+                    set_plan(strategy, plans[setup], setup)
                 seconds[setup].append(peer.run() if setup == "torch" else timed_fit(*models[setup], steps))
     finally:
         if peer:
@@ -208,7 +218,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
               "against_compute": against_compute(doctor_report, rows)}
     for fed in (setup for setup in PROFILED_SETUPS if setup in models and _DOCTOR.value):
         # after the rounds: the compiled execution's own breakdown (its GPU idle), per input setup
-        set_plan(strategy, plans[fed])
+        set_plan(strategy, plans[fed], fed)
         model, dataset = models[fed]
         doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, f"{name}_{fed}"),
                                   warmup_steps=2 * n, window_steps=2 * n, verbose=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,12 @@ _WORKER = flags.DEFINE_string("worker", "", "Internal: run one fit as described 
 
 def worker(job: dict) -> dict:
     started = time.perf_counter()
+    import logging  # noqa: PLC0415
+
+    handler = logging.StreamHandler(sys.stderr)  # the first-execution lines, INFO ones included, for the parent
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("tf_nvlink").addHandler(handler)
+    logging.getLogger("tf_nvlink").setLevel(logging.INFO)
     from tf_nvlink.plan import compile_cache  # noqa: PLC0415
 
     cpu_devices = job["cpu_devices"]
@@ -121,8 +128,26 @@ def run_worker(job: dict, timeout: int) -> dict:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
-    return {**json.loads(lines[-1]), "process_s": wall,
-            "log": [line for line in done.stderr.splitlines() if "first train execution" in line]}
+    answer = {**json.loads(lines[-1]), "process_s": wall,
+              "log": [line for line in done.stderr.splitlines() if "first train execution" in line]}
+    return {**answer, **first_execution_split(answer)}
+
+
+def first_execution_split(answer: dict) -> dict:
+    """`first_s` split at the first train execution's start, from its log line ("... took 12.3 s: ..."):
+    `execution_s` (XLA compiling or reading its programs, then running them) and `before_execution_s` (Keras and
+    tf_nvlink building the train function and staging the input). Empty when the line is missing.
+
+    Example:
+        >>> first_execution_split({"first_s": 20.0, "log": ["... first train execution of model 'm' took 15.0 s: x"]})
+        {'execution_s': 15.0, 'before_execution_s': 5.0}
+    """
+    for line in answer.get("log", []):
+        found = re.search(r"first train execution of model .* took ([0-9.]+) s", line)
+        if found and answer.get("first_s") is not None:
+            execution = float(found.group(1))
+            return {"execution_s": execution, "before_execution_s": answer["first_s"] - execution}
+    return {}
 
 
 def jobs_for(models, paths, cpu_devices: int) -> list[dict]:
@@ -148,7 +173,9 @@ def measure(jobs: list[dict], rounds: int, cache_root: str, timeout: int, echo=p
                 runs[(job["model"], job["path"])][cache].append(answer)
                 echo(f"round {round_index + 1} {job['model']} {job['path']} {cache}: "
                      + (answer["error"][-300:] if "error" in answer else
-                        f"first {answer['first_s']:.1f} s, fit {answer['fit_s']:.1f} s, "
+                        f"first {answer['first_s']:.1f} s (before the execution "
+                        f"{answer.get('before_execution_s', float('nan')):.1f} s, the execution "
+                        f"{answer.get('execution_s', float('nan')):.1f} s), fit {answer['fit_s']:.1f} s, "
                         f"{answer['entries_new']} new entries of {answer['entries_new'] + answer['entries_before']}"))
     return [summarize(job, runs[(job["model"], job["path"])]) for job in jobs]
 
@@ -156,7 +183,8 @@ def measure(jobs: list[dict], rounds: int, cache_root: str, timeout: int, echo=p
 def summarize(job: dict, runs: dict) -> dict:
     record = {**job, "runs": runs}
     for cache in CACHES:
-        for key in ("first_s", "fit_s", "setup_s", "steady_steps_per_s", "process_s"):
+        for key in ("first_s", "before_execution_s", "execution_s", "fit_s", "setup_s", "steady_steps_per_s",
+                    "process_s"):
             values = [run.get(key) for run in runs[cache]]
             if any(value is not None for value in values):
                 stats = bench_stats.summarize(values)
@@ -174,16 +202,17 @@ def render(records: list[dict]) -> str:
             return "-"
         return f"{stats['median']:.{digits}f} ({100 * stats['spread']:.0f}%)"
 
-    rows = [["model", "path", "first cold s", "first warm s", "warm/cold", "fit cold s", "fit warm s",
-             "steps/s cold", "steps/s warm", "entries"]]
+    rows = [["model", "path", "first cold s", "first warm s", "warm/cold", "warm: before exec s", "warm: exec s",
+             "fit cold s", "fit warm s", "steps/s cold", "steps/s warm", "entries"]]
     for record in records:
         ratio = record["warm_over_cold_first"]
         news = [run.get("entries_new") for run in record["runs"]["cold"]]
         rows.append([record["model"], record["path"], cell(record, "cold_first_s"), cell(record, "warm_first_s"),
-                     f"{ratio:.2f}" if ratio is not None else "-", cell(record, "cold_fit_s"),
+                     f"{ratio:.2f}" if ratio is not None else "-", cell(record, "warm_before_execution_s"),
+                     cell(record, "warm_execution_s"), cell(record, "cold_fit_s"),
                      cell(record, "warm_fit_s"), cell(record, "cold_steady_steps_per_s", 2),
                      cell(record, "warm_steady_steps_per_s", 2), ",".join(str(n) for n in news)])
-    return "\n".join(text_table.table(rows, right=set(range(2, 10)), header_rows=1))
+    return "\n".join(text_table.table(rows, right=set(range(2, 12)), header_rows=1))
 
 
 def main(argv):

@@ -29,6 +29,15 @@ def test_summary_and_table():
         assert "convnet  perstep" in table and "0.38" in table and "2,2," in table
 
 
+def test_first_step_split_at_the_first_execution_from_its_log_line():
+    with benchmark_module("time_to_first_step") as bench:
+        line = ("WARNING tf_nvlink: first train execution of model 'resnet50' took 12.5 s: 2 programs compiled and "
+                "stored in the compile cache")
+        assert bench.first_execution_split({"first_s": 20.0, "log": [line]}) == {
+            "execution_s": 12.5, "before_execution_s": 7.5}
+        assert bench.first_execution_split({"first_s": 20.0, "log": ["something else"]}) == {}
+
+
 @pytest.mark.slow  # 4 TensorFlow processes: about 25 s
 def test_cpu_run_cold_then_warm(tmp_path):
     out = tmp_path / "ttfs.json"
@@ -43,4 +52,6 @@ def test_cpu_run_cold_then_warm(tmp_path):
         assert cold["entries_new"] == 2 and cold["replicas"] == 2  # one program per replica, stored
         assert warm["entries_new"] == 0 and warm["entries_before"] == 2  # read back, nothing compiled
         assert 0 < cold["first_s"] <= cold["fit_s"]
+        for run in (cold, warm):  # the first execution's own line, INFO on CPU, splits first_s
+            assert 0 < run["execution_s"] <= run["first_s"] and run["before_execution_s"] >= 0
     assert "first warm s" in result.stdout
