@@ -67,7 +67,8 @@ def worker(job: dict) -> dict:
     import logging  # noqa: PLC0415
 
     handler = logging.StreamHandler(sys.stderr)  # the first-execution lines, INFO ones included, for the parent
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    # timestamps as TensorFlow's own log lines have them, to line both up when TF_CPP_VMODULE is set
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d: %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     logging.getLogger("tf_nvlink").addHandler(handler)
     logging.getLogger("tf_nvlink").setLevel(logging.INFO)
     from tf_nvlink.plan import compile_cache  # noqa: PLC0415
