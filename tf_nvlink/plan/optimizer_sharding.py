@@ -144,18 +144,27 @@ def format_bytes(nbytes: int, like: Optional[int] = None) -> str:
     return f"{nbytes} B" if size == 1 else f"{nbytes / size:.2f} {name}"
 
 
+def states_summary(rows: dict) -> str:
+    """`memory_rows`' optimizer states in words: replicated and sharded per replica, and the largest share.
+
+    Example:
+        >>> states_summary(memory_rows([4000, 1000], [8000, 2000], 2, other_state_bytes=12))
+        '10.01 KB per replica replicated, 8.01 KB sharded over 2 replicas (largest share 8.00 KB)'
+    """
+    replicated = rows["replicated"]["optimizer_states"]
+    return (f"{format_bytes(replicated)} per replica replicated, "
+            f"{format_bytes(rows['sharded']['optimizer_states'], like=replicated)} sharded over {rows['replicas']} "
+            f"replicas (largest share {format_bytes(rows['sharded']['largest_share'], like=replicated)})")
+
+
 def summary_line(rows: dict) -> str:
-    """One line of `memory_rows`' optimizer states: replicated and sharded per replica, and the largest share
-    (the log line of a sharded optimizer).
+    """The log line of a sharded optimizer: "optimizer states: " and `states_summary`.
 
     Example:
         >>> summary_line(memory_rows([4000, 1000], [8000, 2000], 2, other_state_bytes=12))
         'optimizer states: 10.01 KB per replica replicated, 8.01 KB sharded over 2 replicas (largest share 8.00 KB)'
     """
-    replicated = rows["replicated"]["optimizer_states"]
-    return (f"optimizer states: {format_bytes(replicated)} per replica replicated, "
-            f"{format_bytes(rows['sharded']['optimizer_states'], like=replicated)} sharded over {rows['replicas']} "
-            f"replicas (largest share {format_bytes(rows['sharded']['largest_share'], like=replicated)})")
+    return f"optimizer states: {states_summary(rows)}"
 
 
 def fit_verdict(rows: dict) -> Optional[str]:
