@@ -248,7 +248,7 @@ def test_render_table_has_names_and_units_rows_like_nccl_tests():
     assert len(lines) == 4
     assert lines[0].startswith("# workload") and "busbw" in lines[0] and "scaling" in lines[0]
     assert lines[1].startswith("#") and "(GB/s)" in lines[1] and "(ms)" in lines[1]
-    assert lines[3].split() == ["w", "test", "4", "float32", "100.0", "15.27", "15.27", "3.00", "118.27", "0.846",
+    assert lines[3].split() == ["w", "test", "4", "float32", "replicated", "100.0", "15.27", "15.27", "3.00", "118.27", "0.846",
                                 "1691"]
     # Columns line up: every row is as wide as the header.
     assert len({len(line) for line in (lines[0], lines[2], lines[3])}) == 1
@@ -257,7 +257,7 @@ def test_render_table_has_names_and_units_rows_like_nccl_tests():
 def test_command_line_prints_every_link_for_1_2_4_8_gpus():
     result = subprocess.run([sys.executable, "-m", "tf_nvlink.tools.costmodel", "--compute_ms", "39.7",
                              "--gradient_mib", "97.5"], capture_output=True, text=True, check=True)
-    rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
+    rows = [line.split() for line in result.stdout.split("\n\n")[0].splitlines() if not line.startswith("#")]
     assert [(row[1], row[2]) for row in rows] == [(name, str(n)) for name in LINKS for n in (1, 2, 4, 8)]
     assert "tensorflow" not in result.stderr.lower()
 
@@ -266,3 +266,88 @@ def test_importing_the_cost_model_imports_no_tensorflow():
     code = "import sys, tf_nvlink.tools.costmodel; print('tensorflow' in sys.modules, 'pynvml' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+# ---- optimizer states sharded --------------------------------------------------------------------------------
+
+def test_sharded_states_add_one_all_reduce_of_the_float32_weights():
+    replicated = predict(WORK, LINK, 4, replica_overhead_ms=0.0)
+    sharded = predict(WORK, LINK, 4, replica_overhead_ms=0.0, optimizer_states="sharded")
+    # 1e9 B of gradients in 1 pack: 15.2684 ms; the weights, 1e9 B in one call: 15.2684 ms more
+    assert replicated.comm_ms == pytest.approx(15.2684) and sharded.comm_ms == pytest.approx(30.5368)
+    assert sharded.step_ms == pytest.approx(130.5368) and sharded.optimizer_states == "sharded"
+    assert replicated.optimizer_states == "replicated"
+    # bfloat16 halves the gradients on the wire, not the weights: 7.5 + 0.2684, then 15.2684
+    half = predict(WORK, LINK, 4, allreduce_dtype="bfloat16", optimizer_states="sharded")
+    assert half.comm_ms == pytest.approx(7.7684 + 15.2684)
+    # one GPU: nothing to send either way
+    assert predict(WORK, LINK, 1, optimizer_states="sharded").comm_ms == 0.0
+
+
+def test_an_unknown_optimizer_states_value_names_the_choices():
+    with pytest.raises(ValueError, match=r"optimizer_states must be one of \['replicated', 'sharded'\]. "
+                                         r"Received: optimizer_states='zero'"):
+        predict(WORK, LINK, 2, optimizer_states="zero")
+
+
+def test_the_table_says_which_states_each_row_is():
+    lines = render_table([predict(WORK, LINK, 4, replica_overhead_ms=1.0, optimizer_states=s)
+                          for s in ("replicated", "sharded")]).splitlines()
+    assert lines[0].split()[:6] == ["#", "workload", "link", "gpus", "dtype", "states"]
+    assert lines[2].split()[4:7] == ["replicated", "100.0", "15.27"]
+    assert lines[3].split()[4:7] == ["sharded", "100.0", "30.54"]
+
+
+def _costmodel(argv, capsys):
+    from tf_nvlink.__main__ import main  # noqa: PLC0415
+
+    code = main(["costmodel", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_command_line_both_rows_the_note_and_the_memory_per_gpu(capsys):
+    code, out = _costmodel(["--compute_ms", "100", "--params", "1e9", "--gradient_tensors", "4", "--gpus", "2,4",
+                            "--optimizer_states", "both", "--gpu_memory_gb", "10"], capsys)
+    assert code == 0
+    rows = [line.split() for line in out.split("\n\n")[0].splitlines() if not line.startswith(("#", "note"))]
+    assert [(row[1], row[2], row[4]) for row in rows] == [
+        (name, str(n), states) for name in LINKS for n in (2, 4) for states in ("replicated", "sharded")]
+    assert "note: sharded rows: tf_nvlink as built" in out and "reduce-scatter + all-gather" in out
+    # 1e9 float32 parameters in 4 variables, AdamW's 2 slots: 4 + 4 + 8 GB replicated; sharded, 2 variables' slots
+    # on each of 2 GPUs (4 GB), one on each of 4 (2 GB)
+    memory = out.split("\n\n")[1].splitlines()
+    assert memory == [
+        "memory per GPU of workload (1,000,000,000 float32 parameters in 4 equal variables, 2 optimizer state(s) per "
+        "parameter, 10.00 GB per GPU; before activations):",
+        "# GPUs  states      weights  gradients  optimizer states  total  fits",
+        "#                      (GB)       (GB)              (GB)   (GB)",
+        "     2  replicated     4.00       4.00              8.00  16.00    no",
+        "     2  sharded        4.00       4.00              4.00  12.00    no",
+        "     4  replicated     4.00       4.00              8.00  16.00    no",
+        "     4  sharded        4.00       4.00              2.00  10.00   yes",
+        "  2 GPUs: does not fit, even sharded (2 replicas: 12.00 GB sharded, 16.00 GB replicated, 10.00 GB per GPU)",
+        "  4 GPUs: sharding lets this model fit (4 replicas: 10.00 GB sharded, 16.00 GB replicated, 10.00 GB per GPU)"]
+
+
+def test_command_line_default_rows_are_replicated_and_memory_has_no_fits_without_a_gpu_size(capsys):
+    code, out = _costmodel(["--compute_ms", "39.7", "--gradient_mib", "97.5", "--gpus", "2"], capsys)
+    assert code == 0 and "note:" not in out and " sharded   " not in out.split("\n\n")[0]
+    memory = out.split("\n\n")[1].splitlines()
+    assert memory[0].startswith("memory per GPU of workload (25,559,040 float32 parameters in 1 equal variables")
+    assert memory[3].split() == ["2", "replicated", "102.24", "102.24", "204.47", "408.94", "-"]
+    assert memory[4].split() == ["2", "sharded", "102.24", "102.24", "204.47", "408.94", "-"]  # one variable
+    assert len(memory) == 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer_states", "zero"], "argument --optimizer_states: invalid choice: 'zero' (choose from "
+                                     "'replicated', 'sharded', 'both')"),
+    (["--params", "1e9"], "give one of --gradient_mib (float32 gradients in MiB) or --params (parameters)"),
+    (["--slots", "-1"], "argument --slots: should be a non-negative integer"),
+])
+def test_command_line_bad_values_exit_2_with_one_line(argv, message, capsys):
+    argv = ["--compute_ms", "1", "--gradient_mib", "1", *argv]
+    with pytest.raises(SystemExit) as info:
+        _costmodel(argv, capsys)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err

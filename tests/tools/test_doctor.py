@@ -391,6 +391,15 @@ def step_markers(trace_path) -> list:
     return sorted(markers)
 
 
+def test_the_table_ends_with_the_optimizer_states():
+    rows = {"replicas": 4, "replicated": {"optimizer_states": 8 * 10**9},
+            "sharded": {"optimizer_states": 2 * 10**9 + 12, "largest_share": 2 * 10**9}}
+    assert outputs.optimizer_states_line({"mode": "sharded", "memory": rows}) == (
+        "optimizer_states='sharded': 8.00 GB per replica replicated, 2.00 GB sharded over 4 replicas (largest share "
+        "2.00 GB)")
+    assert outputs.optimizer_states_line({"mode": "replicated", "memory": None}) == "optimizer_states='replicated'"
+
+
 def test_input_copy_rate_from_the_batch_bytes_and_the_copy_time():
     """The report says the input's bytes per step and the rate the GPU copied them at (GB/s); a rate only
     pageable host memory gives is named as such, unless the copy is too small for its rate to say so."""
@@ -460,10 +469,10 @@ real_diagnose = diagnosis.diagnose_trace
 def diagnose_the_gpu_trace(profile_dir, **kwargs):  # the CPU trace has no GPU plane: read the 1x H200 one instead
     return real_diagnose(FIXTURE_PROFILE, **kwargs)
 callback.diagnose_trace = diagnose_the_gpu_trace
-strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"], optimizer_states="sharded")
 with strategy.scope():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
 x = np.ones((64, 8), "float32"); y = np.ones((64, 1), "float32")
 doctor = tf_nvlink.StepDoctor(warmup_steps=2, window_steps=3, output_dir=out, global_batch=8, gpus=[0, 1],
                               nvml=fake_nvml.FakeNvml(machine))
@@ -501,6 +510,7 @@ def test_callback_on_cpu_says_why_in_one_line_and_training_goes_on(request):
         "step_ms"]}
     assert json.loads(Path(data["files"]["json"]).read_text())["unavailable"] == data["unavailable"]
     assert data["history_doctor"] == data["report"]
+    assert data["report"]["optimizer_states"] == {"mode": "replicated", "memory": None}  # no tf_nvlink strategy
 
 
 def test_the_doctor_traces_into_the_tensorboard_run_with_its_steps_marked(request):
@@ -555,6 +565,17 @@ def test_doctor_on_two_replicas_reads_the_counters_and_writes_every_output(reque
     assert data["unavailable"] is None and data["report"]["verdict"]["kind"] in ("host-bound", "input-bound")
     assert data["report"]["context"]["replicas"] == 2  # this model's float32 input: the copy's advice is uint8
     assert "step doctor (ms/step)" in data["stdout"]  # the table
+    # 8-4-1 with SGD's momentum: 164 bytes of weights and of slots, 12 of step counters; sharded, the first
+    # kernel's 128 bytes of momentum on one replica, the other variables' 36 on the other
+    states = data["report"]["optimizer_states"]
+    assert states["mode"] == "sharded"
+    assert states["memory"]["replicated"] == {"weights": 164, "gradients": 164, "optimizer_states": 176, "total": 504,
+                                              "fits": None}
+    assert states["memory"]["sharded"] == {"weights": 164, "gradients": 164, "optimizer_states": 140, "total": 468,
+                                           "largest_share": 128, "fits": None}
+    assert ("optimizer_states='sharded': 176 B per replica replicated, 140 B sharded over 2 replicas (largest share "
+            "128 B)") in data["stdout"].splitlines()
+    assert json.loads(Path(data["files"]["json"]).read_text())["optimizer_states"] == states
     assert data["report"]["nvlink_bytes_per_step"] > 0  # the counters moved during the window
     assert set(data["files"]) >= {"json", "tensorboard"}
     assert list(Path(data["files"]["tensorboard"]).glob("events.out.tfevents.*"))

@@ -16,7 +16,7 @@ from tf_nvlink import __main__ as cli
 from tf_nvlink.internals import tf_runtime as internals
 
 from tf_nvlink.machine import nvml
-from tf_nvlink.tools import report
+from tf_nvlink.tools import memory_report, report
 H200_DESCS = [
     ("/device:GPU:0", "device: 0, name: NVIDIA H200, pci bus id: 0000:00:06.0, compute capability: 9.0a"),
     ("/device:GPU:1", "device: 1, name: NVIDIA H200, pci bus id: 0000:00:07.0, compute capability: 9.0a"),
@@ -474,3 +474,71 @@ def test_plan_section_says_how_xla_models_all_reduce(machine, mode):
                                              with_tf=False))
     xla_line = next(line for line in text.splitlines() if line.startswith("  XLA "))
     assert xla_line.endswith(mode) and "jit_compile=True models" in xla_line
+
+
+# ---- report --memory ------------------------------------------------------------------------------------------
+
+def test_memory_report_builds_the_model_and_its_slots_and_says_what_fits():
+    """mlp (784-256-128-10) with Adam on a fake 2x H200: 940,584 bytes of weights, as many of gradients, 1,881,168
+    of slots and 12 of step counters; sharded over 2, the first kernel's slots (1,605,632) on one GPU."""
+    result = run_python(
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "import fake_nvml\n"
+        "from tf_nvlink.machine import nvml\n"
+        "from tf_nvlink.tools import report\n"
+        "from tf_nvlink import __main__ as cli\n"
+        "report.nvml_probe = lambda module=None: nvml.probe(fake_nvml.FakeNvml(fake_nvml.h200_x2()))\n"
+        "assert cli.main(['report', '--memory', 'mlp', '--optimizer', 'adam']) == 0\n"
+        "assert cli.main(['report', '--memory', 'mlp', '--optimizer', 'adam', '--replicas', '2', '--json']) == 0\n")
+    assert result.returncode == 0, result.stderr
+    text, _, data = result.stdout.partition("\n{")
+    assert text.splitlines() == [
+        "Memory per GPU: mlp (235,146 parameters in 6 variables), Adam, Keras' defaults; before activations; "
+        "151.40 GB per GPU (NVML)",
+        "# GPUs  states      weights  gradients  optimizer states  total  fits",
+        "#                      (MB)       (MB)              (MB)   (MB)",
+        "     1  replicated     0.94       0.94              1.88   3.76   yes",
+        "     1  sharded        0.94       0.94              1.88   3.76   yes",
+        *[line for n in (2, 4, 8) for line in (
+            f"     {n}  replicated     0.94       0.94              1.88   3.76   yes",
+            f"     {n}  sharded        0.94       0.94              1.61   3.49   yes")],
+        *[f"  {n} GPUs: fits replicated ({n} replicas: {3.76 if n == 1 else 3.49:.2f} MB sharded, 3.76 MB replicated, "
+          f"151.40 GB per GPU)" for n in (1, 2, 4, 8)],
+        "sharded: tf_nvlink.strategy(optimizer_states=\"sharded\") (docs/sharded_optimizer_states.md)"]
+    data = json.loads("{" + data)
+    assert (data["model"], data["optimizer"], data["parameters"], data["variables"]) == ("mlp", "Adam", 235146, 6)
+    assert data["device_bytes"] == 141 * 2**30 and [rows["replicas"] for rows in data["rows"]] == [2]
+    rows = data["rows"][0]
+    assert rows["replicated"] == {"weights": 940584, "gradients": 940584, "optimizer_states": 1881180,
+                                  "total": 3762348, "fits": True}
+    assert rows["sharded"] == {"weights": 940584, "gradients": 940584, "optimizer_states": 1605644,
+                               "total": 3486812, "largest_share": 1605632, "fits": True}
+    assert rows["sharding_lets_it_fit"] is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory", "mlp", "--no-tf"], "--memory builds the model and its optimizer with TensorFlow; drop --no-tf"),
+    (["--memory", "bert"], "argument --memory: invalid choice: 'bert' (choose from 'mlp', 'resnet50', 'convnet', "
+                           "'transformer', 'transformer_tiny')"),
+    (["--memory", "mlp", "--optimizer", "adafactor"], "argument --optimizer: invalid choice: 'adafactor' (choose "
+                                                      "from 'sgd', 'adam', 'adamw', 'rmsprop', 'adagrad', 'lion', "
+                                                      "'lamb', 'adamax', 'adadelta', 'ftrl', 'nadam')"),
+    (["--replicas", "2"], "--optimizer and --replicas go with --memory MODEL"),
+    (["--memory", "mlp", "--replicas", "0"], "argument --replicas: should be a positive integer"),
+])
+def test_memory_report_bad_flags_exit_2_with_one_line(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(memory_report, "collect", pytest.fail)  # refused before anything is built
+    with pytest.raises(SystemExit) as info:
+        cli.main(["report", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_memory_report_gpu_counts_and_memory_from_nvml():
+    assert memory_report.gpu_facts(nvml_probe_fake("h200_x2")) == (2, 141 * 2**30)
+    assert memory_report.gpu_facts(nvml_probe_fake("h100_hgx_x8")) == (8, 80 * 2**30)
+    assert memory_report.gpu_facts(nvml_probe_fake("no_driver")) == (0, None)
+    assert memory_report.gpu_counts(None, 0) == [1, 2, 4, 8]
+    assert memory_report.gpu_counts(None, 3) == [1, 2, 3, 4, 8]
+    assert memory_report.gpu_counts(None, 8) == [1, 2, 4, 8]
+    assert memory_report.gpu_counts(16, 2) == [16]

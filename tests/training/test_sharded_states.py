@@ -23,7 +23,7 @@ MAIN = ["sgd_momentum", "adam", "adamw", "adamw_global_clipnorm", "sgd_momentum_
 REST = ["rmsprop", "adagrad", "lion", "lamb", "adamax", "adadelta", "ftrl", "nadam", "nadam_accumulate_spe3",
         "clipnorm", "clipvalue", "accumulate", "accumulate_spe3", "loss_scale", "loss_scale_accumulate",
         "batchnorm", "batchnorm_spe3"]
-CHECKS = ["memory", "save", "resume", "save_weights", "request_key", "refused_adafactor", "refused_subclass",
+CHECKS = ["memory", "memory_log", "save", "resume", "save_weights", "request_key", "refused_adafactor", "refused_subclass",
           "refused_ema"]
 SPLIT_MAIN = ["adam", "adamw_global_clipnorm", "sgd_momentum_spe3"]
 
@@ -37,7 +37,7 @@ def _scenario(name, layout, cases, slow):
 
 SINGLE = _scenario("sharded_states_single", "single", MAIN, slow=False)
 FUSED2 = _scenario("sharded_states_fused2", "fused2", MAIN + CHECKS, slow=False)
-SPLIT4 = _scenario("sharded_states_split4", "split4", SPLIT_MAIN + ["memory"], slow=False)
+SPLIT4 = _scenario("sharded_states_split4", "split4", SPLIT_MAIN + ["memory", "memory_log"], slow=False)
 ONE = _scenario("sharded_states_plain1", "plain1", ["adam", "slot_kinds"], slow=False)
 BATCHNORM = ["batchnorm", "batchnorm_spe3"]  # synchronized BatchNorm: fused and plain (split mode refuses it)
 
@@ -124,6 +124,14 @@ def _assert_memory_bound(memory, replicas):
 def test_slots_sit_on_their_owners_device_only():
     _assert_memory_bound(FUSED2.result("all")["memory"], 2)
     _assert_memory_bound(SPLIT4.result("all")["memory"], 4)
+
+
+@pytest.mark.parametrize("scenario, replicas", [(FUSED2, 2), (SPLIT4, 4)])
+def test_a_sharded_optimizer_logs_its_memory_once(scenario, replicas):
+    # 8-32-16-4 with Adam: 7,072 bytes of slots, the largest variable's 4,096, and 12 bytes of step counters
+    line = (f"optimizer states: 7.08 KB per replica replicated, 4.11 KB sharded over {replicas} replicas "
+            f"(largest share 4.10 KB)")
+    assert scenario.result("all")["memory_log"] == [line, line]  # two optimizers, each fitted twice
 
 
 def test_a_sharded_run_saves_whole_and_loads_on_one_device():

@@ -8,7 +8,9 @@ Example:
     >>> data = report.collect(with_tf=False)      # NVML only: instant
     >>> print(report.render_text(data))           # or report.to_json(data)
 
-Command line: `tf-nvlink report [--json] [--no-tf]` (see `tf_nvlink.__main__`).
+Command line: `tf-nvlink report [--json] [--no-tf]` (see `tf_nvlink.__main__`); `tf-nvlink report --memory MODEL
+[--optimizer NAME] [--replicas N]`: the bytes per GPU of a benchmark model's weights, gradients and optimizer states,
+replicated and sharded (`tools/memory_report`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from tf_nvlink.plan import compile_cache, step_options
 from tf_nvlink.machine import nvlink_traffic
 from tf_nvlink.plan import policy
 from tf_nvlink.machine.nvml import probe as nvml_probe
+from tf_nvlink.tools import memory_report
+from tf_nvlink.tools.bench_models import BENCH_MODELS
+from tf_nvlink.util.cli_args import positive, usage_error
 from tf_nvlink.util.text_table import table
 from tf_nvlink.machine.topology import RemoteType, Topology
 from tf_nvlink.util.version import __version__
@@ -377,12 +382,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tf", action=argparse.BooleanOptionalAction, default=True,
                         help="ask TensorFlow too (default); --no-tf: NVML facts only, instant, does not touch the GPUs")
     nvlink_traffic.add_traffic_argument(parser)
+    parser.add_argument("--memory", metavar="MODEL", choices=BENCH_MODELS, default=None,
+                        help=f"instead: the bytes per GPU of a benchmark model ({', '.join(BENCH_MODELS)}): weights, "
+                             f"gradients and optimizer states, replicated and sharded (builds it on the CPU)")
+    parser.add_argument("--optimizer", choices=tuple(memory_report.OPTIMIZERS), default=None,
+                        help=f"with --memory: the Keras optimizer (default {memory_report.DEFAULT_OPTIMIZER})")
+    parser.add_argument("--replicas", type=positive, default=None,
+                        help="with --memory: this GPU count only (default: 1, 2, 4, 8 and this machine's)")
 
 
 def run(args: argparse.Namespace) -> int:
     """`tf-nvlink report`: print the report; 0 also on a machine without GPUs."""
     if getattr(args, "nvlink_traffic", None) is not None or getattr(args, "nvlink_watch", None) is not None:
         return nvlink_traffic.traffic_command_from_args(args)
+    if any(getattr(args, name, None) is not None for name in ("memory", "optimizer", "replicas")):
+        return memory_command(args)
     if args.tf:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter off the report
     data = collect(with_tf=args.tf)
@@ -390,4 +404,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["collect", "render_text", "to_json", "add_arguments", "run"]
+def memory_command(args: argparse.Namespace) -> int:
+    """`tf-nvlink report --memory MODEL [--optimizer NAME] [--replicas N]`: the memory table (`tools/memory_report`)
+    for this machine's GPU count and memory (NVML); exit 2 with one line for --no-tf or a flag without --memory.
+
+    Example:
+        >>> memory_command(build_parser().parse_args(["report", "--memory", "resnet50"]))
+    """
+    if args.memory is None:
+        return usage_error(args, "--optimizer and --replicas go with --memory MODEL")
+    if not args.tf:
+        return usage_error(args, "--memory builds the model and its optimizer with TensorFlow; drop --no-tf")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    machine_gpus, device_bytes = memory_report.gpu_facts(nvml_probe())
+    data = memory_report.collect(args.memory, args.optimizer or memory_report.DEFAULT_OPTIMIZER,
+                                 memory_report.gpu_counts(args.replicas, machine_gpus), device_bytes)
+    print(to_json(data) if args.json else memory_report.render_text(data), end="\n" if args.json else "")
+    return 0
+
+
+__all__ = ["collect", "render_text", "to_json", "add_arguments", "run", "memory_command"]

@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from typing import Callable
 
@@ -36,11 +38,12 @@ from tf_nvlink.internals import optimizer as optimizer_seams
 from tf_nvlink.plan import optimizer_sharding
 from tf_nvlink.training import thread_state
 
-# The optimizers whose update under sharded states is checked to be one device's (tests/training/
-# test_sharded_states.py); each updates one whole variable at a time from its own slots.
-SHARDABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Lamb", "Adamax", "Adadelta", "Ftrl", "Nadam")
+log = logging.getLogger("tf_nvlink")
+SHARDABLE = optimizer_sharding.SHARDABLE
 _OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _SLOT_BYTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> {variable index: slot bytes}
+_LOGGED: "weakref.WeakSet" = weakref.WeakSet()  # sharded optimizers whose memory line was logged
+_LOGGED_LOCK = threading.Lock()
 _NOT_CHECKED = ("its update with each replica updating only the variables it owns is not checked against one "
                 "device (a subclass of a Keras optimizer may read state of other variables too)")
 _NOT_SHARDABLE = {
@@ -129,12 +132,12 @@ def optimizer_slot(optimizer, reference, name, initializer, keras_add: Callable)
     return optimizer_seams.add_variable_on_one_device(optimizer, reference, name, initializer, device)
 
 
-def memory_table(optimizer, replicas: int | None = None) -> dict:
+def memory_table(optimizer, replicas: int | None = None, device_bytes: int | None = None) -> dict:
     """Bytes on the fullest replica of a built optimizer's weights, gradients and optimizer states, replicated and
-    sharded over `replicas` (default: its strategy's local replicas), as `optimizer_sharding.memory_per_replica`
-    gives them: the slots by owner, everything else the optimizer keeps (step counters, accumulators) whole.
-    `optimizer_sharding.format_memory_table` prints it. Built under a tf_nvlink strategy (the slots are recorded
-    as they are created).
+    sharded over `replicas` (default: its strategy's local replicas), as `optimizer_sharding.memory_rows` gives
+    them: the slots by owner, everything else the optimizer keeps (step counters, accumulators) whole; with
+    `device_bytes` (one GPU's memory), whether each fits. `optimizer_sharding.format_memory_table` prints it.
+    Built under a tf_nvlink strategy (the slots are recorded as they are created).
 
     Example:
         >>> print(optimizer_sharding.format_memory_table(memory_table(model.optimizer), 2))
@@ -145,11 +148,18 @@ def memory_table(optimizer, replicas: int | None = None) -> dict:
     slots = _SLOT_BYTES.get(inner, {})
     states = [slots.get(index, 0) for index in range(len(variables))]
     others = sum(_variable_bytes(v) for v in optimizer.variables) - sum(states)
-    weights = sum(_variable_bytes(v) for v in variables)
-    owned = optimizer_sharding.bytes_per_replica(
-        states, optimizer_sharding.assign_owners([_variable_bytes(v) for v in variables], replicas), replicas)
-    return {"replicated": {"weights": weights, "gradients": weights, "optimizer_states": sum(states) + others},
-            "sharded": {"weights": weights, "gradients": weights, "optimizer_states": max(owned) + others}}
+    return optimizer_sharding.memory_rows([_variable_bytes(v) for v in variables], states, replicas,
+                                          other_state_bytes=others, device_bytes=device_bytes)
+
+
+def _log_memory_once(optimizer) -> None:
+    """One INFO line per sharded optimizer, at its first update (its slots are all made by then): its optimizer
+    states per replica, replicated and sharded (`optimizer_sharding.summary_line`)."""
+    with _LOGGED_LOCK:  # fused mode traces every replica's update in its own thread
+        if optimizer in _LOGGED:
+            return
+        _LOGGED.add(optimizer)
+    log.info("%s", optimizer_sharding.summary_line(memory_table(optimizer)))
 
 
 def optimizer_update(optimizer, distribution, grads_and_vars, learning_rate, keras_update: Callable):
@@ -158,6 +168,7 @@ def optimizer_update(optimizer, distribution, grads_and_vars, learning_rate, ker
     if not shards(optimizer):
         return keras_update()
     check_shardable(optimizer)
+    _log_memory_once(optimizer)
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     if tf.distribute.get_replica_context() is None:
         _update_in_cross_replica_context(optimizer, distribution, pairs, learning_rate)

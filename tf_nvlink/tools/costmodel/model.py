@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["MIB", "NCCL_RING_BASE_US", "NCCL_HOP_NVLINK_US", "NCCL_HOP_PCIE_US", "TF_ALLREDUCE_OVERHEAD_US", "H200_NVLINK_GBPS", "H200_TF_BUSBW_GBPS", "NVLINK_EFFICIENCY", "TF_OVER_RAW_NCCL", "DEFAULT_FUSED_OVERLAP", "REPLICA_OVERHEAD_DATA_ON_GPU_MS", "REPLICA_OVERHEAD_HOST_FED_MS", "DEFAULT_REPLICA_OVERHEAD_MS", "ALLREDUCE_BYTES_PER_ELEMENT", "LinkModel", "LINKS", "Workload", "Prediction", "allreduce_ms", "predict", "fit_overhead"]
+__all__ = ["MIB", "NCCL_RING_BASE_US", "NCCL_HOP_NVLINK_US", "NCCL_HOP_PCIE_US", "TF_ALLREDUCE_OVERHEAD_US", "H200_NVLINK_GBPS", "H200_TF_BUSBW_GBPS", "NVLINK_EFFICIENCY", "TF_OVER_RAW_NCCL", "DEFAULT_FUSED_OVERLAP", "REPLICA_OVERHEAD_DATA_ON_GPU_MS", "REPLICA_OVERHEAD_HOST_FED_MS", "DEFAULT_REPLICA_OVERHEAD_MS", "ALLREDUCE_BYTES_PER_ELEMENT", "LinkModel", "LINKS", "Workload", "Prediction", "allreduce_ms", "OPTIMIZER_STATES", "SHARDED_NOTE", "predict", "fit_overhead"]
 
 
 MIB = 2**20
@@ -49,6 +49,18 @@ REPLICA_OVERHEAD_HOST_FED_MS = 4.64
 DEFAULT_REPLICA_OVERHEAD_MS = REPLICA_OVERHEAD_DATA_ON_GPU_MS
 
 ALLREDUCE_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# optimizer_states="sharded" (tf_nvlink.training.sharded_states) as built: the gradients all-reduced as replicated,
+# then the owners' updated float32 weights sent to every replica in one more (batched) all-reduce, since
+# TensorFlow's replica context has no reduce-scatter. In a ring, all-reduce = reduce-scatter + all-gather, so a
+# reduce-scatter of the gradients and an all-gather of the weights would move the bytes of one all-reduce: what
+# the replicated rows already pay.
+OPTIMIZER_STATES = ("replicated", "sharded")
+SHARDED_NOTE = ("sharded rows: tf_nvlink as built, the gradients all-reduced, then the owners' float32 weights in one "
+                "more all-reduce (fused mode; split and plain mode copy them from their owners), since TensorFlow "
+                "has no reduce-scatter among replicas; in a ring, all-reduce = "
+                "reduce-scatter + all-gather, so a reduce-scatter of the gradients plus an all-gather of the weights "
+                "would move the same bytes as the replicated rows' all-reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +200,7 @@ class Prediction:
     step_ms: float
     scaling: float
     samples_per_s: float
+    optimizer_states: str = "replicated"
 
     @property
     def images_per_s(self) -> float:
@@ -213,12 +226,15 @@ def allreduce_ms(nbytes: float, link: LinkModel, n_gpus: int, *, calls: int = 1,
 def predict(workload: Workload, link: LinkModel, n_gpus: int, *, allreduce_dtype: str = "float32",
             fused_overlap: float = DEFAULT_FUSED_OVERLAP,
             replica_overhead_ms: float = DEFAULT_REPLICA_OVERHEAD_MS,
-            framework_overhead_us: float = TF_ALLREDUCE_OVERHEAD_US) -> Prediction:
+            framework_overhead_us: float = TF_ALLREDUCE_OVERHEAD_US,
+            optimizer_states: str = "replicated") -> Prediction:
     """Step time, all-reduce time and scaling of `workload` on `n_gpus` GPUs joined by `link`.
 
     allreduce_dtype: "float32" or "bfloat16"/"float16" (half the bytes on the wire).
     fused_overlap: fraction of the all-reduce hidden behind compute (0 = XLA's default schedule, measured).
     replica_overhead_ms: per-step cost of each extra replica (REPLICA_OVERHEAD_HOST_FED_MS for host-fed input).
+    optimizer_states: "replicated", or "sharded": one more all-reduce, of the float32 weights (the gradients'
+        float32 bytes, in one call), after the gradients' (SHARDED_NOTE says why).
 
     Example:
         >>> predict(resnet, LINKS["pcie-host"], 2).scaling   # 0.85 measured
@@ -228,16 +244,22 @@ def predict(workload: Workload, link: LinkModel, n_gpus: int, *, allreduce_dtype
                          f"Received: allreduce_dtype={allreduce_dtype!r}")
     if not 0.0 <= fused_overlap <= 1.0:
         raise ValueError(f"fused_overlap must be between 0 and 1. Received: fused_overlap={fused_overlap!r}")
+    if optimizer_states not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_states must be one of {list(OPTIMIZER_STATES)}. "
+                         f"Received: optimizer_states={optimizer_states!r}")
     nbytes = workload.gradient_bytes * ALLREDUCE_BYTES_PER_ELEMENT[allreduce_dtype] / 4
     comm = allreduce_ms(nbytes, link, n_gpus, calls=workload.allreduce_calls,
                         framework_overhead_us=framework_overhead_us)
+    if optimizer_states == "sharded" and n_gpus > 1:
+        comm += allreduce_ms(workload.gradient_bytes, link, n_gpus, framework_overhead_us=framework_overhead_us)
     exposed = (1.0 - fused_overlap) * comm
     overhead = (n_gpus - 1) * replica_overhead_ms
     step = workload.compute_ms + exposed + overhead
     return Prediction(workload=workload.name, link=link.name, n_gpus=n_gpus, allreduce_dtype=allreduce_dtype,
                       busbw_gbps=link.busbw(n_gpus) if n_gpus > 1 else 0.0, comm_ms=comm, exposed_comm_ms=exposed,
                       overhead_ms=overhead, step_ms=step, scaling=workload.compute_ms / step,
-                      samples_per_s=n_gpus * workload.per_gpu_batch * 1e3 / step)
+                      samples_per_s=n_gpus * workload.per_gpu_batch * 1e3 / step,
+                      optimizer_states=optimizer_states)
 
 
 def fit_overhead(measured_1gpu_ms: float, measured_ngpu_ms: float, *, workload: Workload, link: LinkModel,

@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 import keras
 
+from tf_nvlink.distribute import base
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.machine import nvml as nvml_module
 from tf_nvlink.machine.nvlink_traffic import gradient_bytes, per_gpu_bytes, traffic_delta, unreadable_reasons
@@ -45,7 +46,7 @@ from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
 from tf_nvlink.tools.doctor import outputs
 from tf_nvlink.tools.doctor.diagnosis import diagnose_trace
 from tf_nvlink.tools.doctor.verdict import StepContext
-from tf_nvlink.training import compiled_execution
+from tf_nvlink.training import compiled_execution, sharded_states
 
 log = logging.getLogger("tf_nvlink")
 
@@ -90,6 +91,23 @@ def machine_context(model: Any, gpus: Optional[Sequence[int]], global_batch: int
                        link=link, machine_kind=kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
                        compiled_execution=compiled, batch_bytes=_input_bytes(model, per_replica_batch),
                        device_free_bytes=tf_runtime.device_bytes_free(devices[0]) or 0)
+
+
+def optimizer_states_entry(model: Any) -> dict:
+    """The report's "optimizer_states": the strategy's mode ("replicated" or "sharded", as asked of
+    `tf_nvlink.strategy`) and, for a built optimizer under a tf_nvlink strategy, its memory rows over the strategy's
+    replicas (`sharded_states.memory_table`; None otherwise).
+
+    Example:
+        >>> optimizer_states_entry(model)["memory"]["sharded"]["optimizer_states"]
+        140
+    """
+    strategy = model.distribute_strategy
+    ours = base.is_tf_nvlink_strategy(strategy)
+    optimizer = getattr(model, "optimizer", None)
+    built = ours and optimizer is not None and bool(getattr(optimizer, "built", False))
+    return {"mode": strategy.optimizer_states if ours else "replicated",
+            "memory": sharded_states.memory_table(optimizer) if built else None}
 
 
 def _input_bytes(model, batch: int) -> int:
@@ -293,6 +311,7 @@ class StepDoctor(keras.callbacks.Callback):
         report["window"] = {"epoch": epoch, "steps": finished["steps"], "calls": finished["calls"],
                             "step_ms": round(finished["step_ms"], 4)}
         report["doctor_hooks_s"] = round(self.overhead_s, 4)  # the doctor's own time up to the window's end
+        report["optimizer_states"] = optimizer_states_entry(self.model)
         if why:
             self._say_unavailable(why)
         self.report = report

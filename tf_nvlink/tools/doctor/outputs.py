@@ -2,8 +2,9 @@
 summaries (scalars, the table as text, the chart as an image).
 
 A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane), "mean", "verdict",
-"nvlink", "scaling", "context", "input_copy", "trace", "nvlink_bytes_per_step", "fit_call", "window" and "doctor_hooks_s"; without
-a breakdown, "unavailable" (why) instead of the first five.
+"nvlink", "scaling", "context", "input_copy", "trace", "nvlink_bytes_per_step", "fit_call", "window", "doctor_hooks_s" and
+"optimizer_states" (the strategy's mode and the optimizer's memory rows); without a breakdown, "unavailable" (why)
+instead of the first five.
 
 Example:
     >>> print(render_table(doctor.report))
@@ -17,6 +18,7 @@ import logging
 import os
 from typing import Optional
 
+from tf_nvlink.plan import optimizer_sharding
 from tf_nvlink.util import atomic_files
 from tf_nvlink.util.atomic_files import write_atomic
 
@@ -58,7 +60,24 @@ def render_table(report: dict) -> str:
             line += (f" (step {nvlink.get('step_ms_with_nvlink')} ms with, {nvlink['step_ms_without_nvlink']} ms "
                      f"without: x{nvlink['speedup_from_nvlink']})")
         lines.append(line)
+    states = report.get("optimizer_states")
+    if states:
+        lines.append(optimizer_states_line(states))
     return "\n".join(lines)
+
+
+def optimizer_states_line(states: dict) -> str:
+    """The report's "optimizer_states" in one line: the mode and, with the memory rows, the optimizer states per
+    replica replicated and sharded.
+
+    Example:
+        >>> optimizer_states_line({"mode": "replicated", "memory": None})
+        "optimizer_states='replicated'"
+    """
+    line = f"optimizer_states={states['mode']!r}"
+    if states.get("memory"):
+        line += f": {optimizer_sharding.states_summary(states['memory'])}"
+    return line
 
 
 def write_json(report: dict, path: str) -> str:
