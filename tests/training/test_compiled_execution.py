@@ -264,6 +264,28 @@ def test_a_full_execution_loop_has_a_trip_count_xla_knows(tf):
     assert partial(batches, tf.constant(2))["total"].numpy() == 3.0 * (0 + 1)
 
 
+def test_a_program_traces_the_step_once_and_runs_it_every_step(tf):
+    """Where XLA runs the loop, the loop's start value and its body share one trace of the step (a fresh process
+    pays the Python trace of the model's step once per program, not twice), and every step still runs: the
+    variable it updates and the outputs it returns are those of the last of its 4 steps."""
+    from tf_nvlink.training.replica_programs import execution_body
+
+    calls, total = [], tf.Variable(0.0)
+
+    def step_body(batch):
+        calls.append(1)
+        total.assign_add(tf.reduce_sum(batch))
+        return {"total": total.read_value(), "last": batch[0]}
+
+    batches = tuple(tf.fill([3], float(i)) for i in range(4))
+    program = tf.function(execution_body(step_body, full=True), jit_compile=True, autograph=False)
+    logs = program(batches)
+    assert len(calls) == 1
+    assert logs["total"].numpy() == total.numpy() == 3.0 * (0 + 1 + 2 + 3) and logs["last"].numpy() == 3.0
+    logs = program(batches)
+    assert len(calls) == 1 and logs["total"].numpy() == 2 * 18.0
+
+
 def test_pinned_batches_hold_the_same_batches_in_the_same_structure(tf):
     """The compiled execution's host stage (each batch through tf.data's map-and-batch, which allocates pinned
     memory on GPU machines) yields every batch unchanged, the short last one included, for tuple, dict, namedtuple

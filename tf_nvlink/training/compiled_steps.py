@@ -31,7 +31,7 @@ from tf_nvlink.distribute import base
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.training.optimizer_rules import optimizer_calls
 from tf_nvlink.training.replica_programs import (ReplicaPrograms, carried_start, next_batches, padded, signature,
-                                                 stack, stackable, steps_loop)
+                                                 stack, stackable, steps_loop, traced_once)
 
 
 class CompiledSteps:
@@ -126,8 +126,10 @@ class CompiledSteps:
             with optimizer_calls("replica_local"):  # the step counters per replica, as fit's fused step
                 return self._call_step(step, batch)
 
+        one_step = traced_once(one, stacked)
+
         def body(index, total):  # the loop carries the outputs' sum (None before the first step, unrolled)
-            outputs = one(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
+            outputs = one_step(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
             return index + 1, outputs if total is None else tf.nest.map_structure(tf.add, total, outputs)
 
-        return steps_loop(count, body, lambda: carried_start(one, stacked), len(batches))
+        return steps_loop(count, body, lambda: carried_start(one_step, stacked), len(batches))

@@ -72,10 +72,12 @@ def execution_body(step_body: Callable, full: bool) -> Callable:
     """
     def execution(batches, count):
         stacked = stack(batches)
-        def body(index, _):
-            return index + 1, step_body(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
+        step = traced_once(step_body, stacked)
 
-        return steps_loop(count, body, lambda: carried_start(step_body, stacked), len(batches))
+        def body(index, _):
+            return index + 1, step(tf.nest.map_structure(lambda leaf: leaf[index], stacked))
+
+        return steps_loop(count, body, lambda: carried_start(step, stacked), len(batches))
 
     if full:
         return lambda batches: execution(batches, len(batches))
@@ -126,12 +128,32 @@ class ReplicaPrograms:
                 for kind, full in (("full", True), ("partial", False))}
 
 
+def traced_once(step_fn: Callable, stacked) -> Callable:
+    """`step_fn` for one of the `stacked` batches, traced once where XLA runs the loop (a concrete function: the
+    loop's start value and its body both use this one trace, so a fresh process traces the model's step once per
+    program instead of twice); `step_fn` itself in the tests' CPU emulation of fused mode, whose unrolled loop
+    traces each step anew (TensorFlow's own collectives hang when one function launches the same one again).
+
+    Example:
+        >>> step = traced_once(step_body, stacked)
+        >>> logs = step(tf.nest.map_structure(lambda leaf: leaf[0], stacked))
+    """
+    if not per_replica_jit_compile():
+        return step_fn
+    return tf.function(step_fn, autograph=False).get_concrete_function(_one_batch_spec(stacked))
+
+
 def carried_start(step_fn: Callable, stacked) -> tuple:
-    """(zeros, shapes) of the outputs `step_fn` gives for one of the `stacked` batches, from a trace that is never
-    run: what a loop carries from step to step starts as those zeros."""
-    first = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
-    spec = tf.function(step_fn, autograph=False).get_concrete_function(first).structured_outputs
+    """(zeros, shapes) of the outputs `step_fn` gives for one of the `stacked` batches (from its trace, made here
+    unless `step_fn` is one already): what a loop carries from step to step starts as those zeros."""
+    if not isinstance(step_fn, tf.types.experimental.ConcreteFunction):
+        step_fn = tf.function(step_fn, autograph=False).get_concrete_function(_one_batch_spec(stacked))
+    spec = step_fn.structured_outputs
     return tf.nest.map_structure(_zeros_like_spec, spec), tf.nest.map_structure(lambda leaf: leaf.shape, spec)
+
+
+def _one_batch_spec(stacked):
+    return tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
 
 
 def steps_loop(count, body: Callable, carried_start: Callable[[], tuple], most: int):
