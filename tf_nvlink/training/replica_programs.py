@@ -138,22 +138,22 @@ def traced_once(step_fn: Callable, stacked) -> Callable:
         >>> step = traced_once(step_body, stacked)
         >>> logs = step(tf.nest.map_structure(lambda leaf: leaf[0], stacked))
     """
-    if not per_replica_jit_compile():
-        return step_fn
-    return tf.function(step_fn, autograph=False).get_concrete_function(_one_batch_spec(stacked))
+    return _traced(step_fn, stacked) if per_replica_jit_compile() else step_fn
 
 
 def carried_start(step_fn: Callable, stacked) -> tuple:
     """(zeros, shapes) of the outputs `step_fn` gives for one of the `stacked` batches (from its trace, made here
     unless `step_fn` is one already): what a loop carries from step to step starts as those zeros."""
     if not isinstance(step_fn, tf.types.experimental.ConcreteFunction):
-        step_fn = tf.function(step_fn, autograph=False).get_concrete_function(_one_batch_spec(stacked))
+        step_fn = _traced(step_fn, stacked)
     spec = step_fn.structured_outputs
     return tf.nest.map_structure(_zeros_like_spec, spec), tf.nest.map_structure(lambda leaf: leaf.shape, spec)
 
 
-def _one_batch_spec(stacked):
-    return tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
+def _traced(step_fn: Callable, stacked):
+    """`step_fn`'s concrete function for one of the `stacked` batches."""
+    one_batch = tf.nest.map_structure(lambda leaf: tf.TensorSpec(leaf.shape[1:], leaf.dtype), stacked)
+    return tf.function(step_fn, autograph=False).get_concrete_function(one_batch)
 
 
 def steps_loop(count, body: Callable, carried_start: Callable[[], tuple], most: int):
