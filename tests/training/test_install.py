@@ -117,6 +117,25 @@ finally:
     input_lib.DistributedDataset.__iter__ = original_iter
 result = {"counts": counts, "losses": losses}
 """
+_SHARED_CASES["input error at steps_per_execution=4"] = """
+strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
+bad = x.copy(); bad[6 * 16 + 1, 0, 0, 0] = np.nan  # batch 6 of 8 (batch size 16): the second execution's third
+def fitted(data):
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=4, jit_compile=True,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(data, epochs=1, verbose=0)
+        error = None
+    except tf.errors.InvalidArgumentError as raised:
+        error = "bad input batch" in str(raised)
+    return error, int(model.optimizer.iterations.numpy()), [w.ravel().tolist() for w in model.get_weights()]
+good = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+failing = tf.data.Dataset.from_tensor_slices((bad, y)).batch(16).map(
+    lambda a, b: (tf.debugging.check_numerics(a, "bad input batch"), b))
+result = {"good": fitted(good.take(6)), "failing": [fitted(failing) for _ in range(6)]}
+"""
 _SHARED_CASES["train_step without the optimizer"] = """
 class NoOptimizer(keras.Sequential):
     def train_step(self, data):
@@ -191,6 +210,19 @@ def test_batch_ends_run_off_the_training_thread_by_keras_rule_with_each_calls_ow
     np.testing.assert_allclose(asynchronous["history"], synchronous["history"], rtol=1e-6)
     named = [line for line in out["said"] if "batch ends run on the training thread" in line]
     assert len(named) == 1 and "because NeedsBatchEnds define(s)" in named[0] and "async_safe = True" in named[0]
+
+
+def test_an_input_error_comes_after_the_updates_of_the_steps_before_it():
+    """Split mode at steps_per_execution=4, the input failing at batch 6: the 6 steps before it are applied in
+    full, every time (`step_assembly.sequenced_steps_function`). Keras' own loop takes the next batch while a step
+    runs, so the error could abort step 6's update after its step counter moved: one fit in two on this setup."""
+    out = SHARED.result("input error at steps_per_execution=4")
+    error, iterations, weights = out["good"]
+    assert error is None and iterations == 6
+    for error, iterations, failed_weights in out["failing"]:
+        assert error is True and iterations == 6
+        for got, expected in zip(failed_weights, weights):
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_each_replica_gets_its_own_xla_compiled_step():

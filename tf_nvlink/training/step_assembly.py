@@ -9,7 +9,7 @@ step, custom loops). `tf_nvlink.plan.execution.decide_execution` says which of t
 | --- | --- | --- |
 | compiled, fused | `CompiledExecution`: N batches, one `strategy.run` | one XLA program: a loop over the N stacked batches of [`PerReplicaXlaStep` body: batch dimension open, loss share, replica-local step counters, `train_step` with the optimizer and its all-reduce, BatchNorm sync] |
 | per-step, fused | Keras' function without XLA around `strategy.run` (spe=1), or `unrolled_steps_function` (spe>1) | one XLA program per step: the same body |
-| per-step, split | Keras' function without XLA around `strategy.run`; across workers with spe>1, `unrolled_steps_function` | XLA: the body with `optimizer.apply` caught; outside XLA: the update, all-reduced through the plan's cross-device ops, then BatchNorm sync |
+| per-step, split | Keras' function without XLA around `strategy.run` (spe=1), or `sequenced_steps_function` (spe>1; across workers `unrolled_steps_function`) | XLA: the body with `optimizer.apply` caught; outside XLA: the update, all-reduced through the plan's cross-device ops, then BatchNorm sync |
 | per-step, plain | Keras' own function (XLA around it only on one CPU replica) | `train_step` weighted by examples, then BatchNorm sync |
 | predict, custom loops | Keras' predict function / the user's | `PerReplicaCustomStep`: the jit function compiled per replica, fused or split |
 
@@ -68,6 +68,8 @@ def make_function(model, step_function: Callable, keras_make_function: Callable)
             # BatchNorm on one GPU too), and on the collectives of several workers ("You must feed a value for
             # placeholder tensor ... while/cond/Placeholder"); this one takes the steps the epoch asks for itself.
             function = unrolled_steps_function(model, step)
+        elif model.steps_per_execution > 1:
+            function = sequenced_steps_function(model, step)
         else:
             function = keras_make_function(step, outer_jit=False)  # no one XLA cluster spanning the replicas
         outer_jit = False
@@ -86,14 +88,17 @@ def one_step_function(model, step_function: Callable, jit_compile: bool = False)
         >>> one_step = one_step_function(model, step)
         >>> logs = one_step(next(iterator))
     """
+    return trainer_seams.with_optionals_converted(model, _step_on_data(model, step_function, jit_compile))
+
+
+def _step_on_data(model, step_function: Callable, jit_compile: bool = False):
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
         return trainer_seams.reduce_step_outputs(strategy.run(step_function, args=(data,)), strategy)
 
-    return trainer_seams.with_optionals_converted(
-        model, tf.function(one_step_on_data, reduce_retracing=True, jit_compile=jit_compile))
+    return tf.function(one_step_on_data, reduce_retracing=True, jit_compile=jit_compile)
 
 
 def unrolled_steps_function(model, step_function: Callable):
@@ -134,6 +139,59 @@ def unrolled_steps_function(model, step_function: Callable):
         if outputs is None:
             raise StopIteration
         return outputs
+
+    return function
+
+
+def sequenced_steps_function(model, step_function: Callable):
+    """Keras' train/test function for steps_per_execution=N > 1 (N steps in one tf.while_loop over the iterator),
+    with each batch taken only after the step before it has applied its updates.
+
+    Why: Keras' loop takes batch k+1 while step k runs, so an input error in batch k+1 aborts step k part-way:
+    the optimizer's step counter advanced and some weights not updated (split mode on 2 CPU replicas, one fit in
+    two). Here the next batch waits for the step's function call (a control edge from a call waits for all of the
+    function's side effects), so an input error comes after the steps before it, as on one device. The step is
+    traced once, for the loop's body; its outputs' structure comes from that trace.
+
+    Example:
+        >>> train_function = sequenced_steps_function(model, step)
+        >>> logs = train_function(iterator)
+    """
+    on_data = _step_on_data(model, step_function)
+    one_step = trainer_seams.with_optionals_converted(model, on_data)
+    traced_step = trainer_seams.with_optionals_converted(model, on_data.get_concrete_function)
+    steps = model.steps_per_execution
+
+    def after(outputs, take):
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            return take()
+
+    @tf.autograph.experimental.do_not_convert
+    def steps_on_iterator(iterator):
+        next_inputs = iterator.get_next_as_optional()
+        outputs_spec = tf.nest.map_structure(tf.type_spec_from_value,
+                                             traced_step(next_inputs.get_value()).structured_outputs)
+
+        def more(step, outputs, next_inputs):
+            return tf.logical_and(step < steps, next_inputs.has_value())
+
+        def body(step, outputs, next_inputs):
+            stepped = one_step(next_inputs.get_value())
+            next_inputs = tf.cond(step + 1 < steps, lambda: after(stepped, iterator.get_next_as_optional),
+                                  lambda: next_inputs)
+            return step + 1, tf.experimental.Optional.from_value(stepped), next_inputs
+
+        _, outputs, _ = tf.while_loop(more, body, (tf.constant(0), tf.experimental.Optional.empty(outputs_spec),
+                                                   next_inputs))
+        return outputs
+
+    steps_on_iterator = tf.function(steps_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        outputs = steps_on_iterator(iterator)
+        if not outputs.has_value():
+            raise StopIteration
+        return outputs.get_value()
 
     return function
 
