@@ -188,6 +188,11 @@ def sequenced_steps_function(model, step_function: Callable):
     steps_on_iterator = tf.function(steps_on_iterator, reduce_retracing=True)
 
     def function(iterator):
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            outputs = None  # `*_on_batch`: Keras passes a Python generator of one batch
+            for _, data in zip(range(steps), iterator):
+                outputs = one_step(data)
+            return outputs
         outputs = steps_on_iterator(iterator)
         if not outputs.has_value():
             raise StopIteration
