@@ -92,13 +92,18 @@ def one_step_function(model, step_function: Callable, jit_compile: bool = False)
 
 
 def _step_on_data(model, step_function: Callable, jit_compile: bool = False):
+    return tf.function(_reduced_step(model, step_function), reduce_retracing=True, jit_compile=jit_compile)
+
+
+def _reduced_step(model, step_function: Callable) -> Callable:
+    """Keras' `one_step_on_data`: one batch through `strategy.run(step_function)`, its outputs reduced."""
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
         return trainer_seams.reduce_step_outputs(strategy.run(step_function, args=(data,)), strategy)
 
-    return tf.function(one_step_on_data, reduce_retracing=True, jit_compile=jit_compile)
+    return one_step_on_data
 
 
 def unrolled_steps_function(model, step_function: Callable):
@@ -115,12 +120,7 @@ def unrolled_steps_function(model, step_function: Callable):
         >>> train_function = unrolled_steps_function(model, step)
         >>> logs = train_function(iterator)
     """
-    strategy = model.distribute_strategy
-
-    def one_step_on_data(data):
-        return trainer_seams.reduce_step_outputs(strategy.run(step_function, args=(data,)), strategy)
-
-    one_step_on_data = trainer_seams.with_optionals_converted(model, one_step_on_data)
+    one_step_on_data = trainer_seams.with_optionals_converted(model, _reduced_step(model, step_function))
 
     @tf.autograph.experimental.do_not_convert
     def steps_on_batches(batches):
