@@ -120,11 +120,14 @@ result = {"counts": counts, "losses": losses}
 _SHARED_CASES["input error at steps_per_execution=4"] = """
 strategy = tf_nvlink.strategy(devices=["/cpu:0", "/cpu:1"])
 bad = x.copy(); bad[6 * 16 + 1, 0, 0, 0] = np.nan  # batch 6 of 8 (batch size 16): the second execution's third
-def fitted(data):
+def compiled():
     with strategy.scope():
         model = build()
         model.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=4, jit_compile=True,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+def fitted(data):
+    model = compiled()
     try:
         model.fit(data, epochs=1, verbose=0)
         error = None
@@ -135,10 +138,7 @@ good = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 failing = tf.data.Dataset.from_tensor_slices((bad, y)).batch(16).map(
     lambda a, b: (tf.debugging.check_numerics(a, "bad input batch"), b))
 result = {"good": fitted(good.take(6)), "failing": [fitted(failing) for _ in range(6)]}
-with strategy.scope():  # `*_on_batch` hands the same train function a Python generator of one batch
-    model = build()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=4, jit_compile=True,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model = compiled()  # `*_on_batch` hands the same train function a Python generator of one batch
 losses = [float(model.train_on_batch(x[:16], y[:16], return_dict=True)["loss"]) for _ in range(3)]
 result["on_batch"] = {"losses": losses, "iterations": int(model.optimizer.iterations.numpy())}
 """
@@ -220,8 +220,9 @@ def test_batch_ends_run_off_the_training_thread_by_keras_rule_with_each_calls_ow
 
 def test_an_input_error_comes_after_the_updates_of_the_steps_before_it():
     """Split mode at steps_per_execution=4, the input failing at batch 6: the 6 steps before it are applied in
-    full, every time (`step_assembly.sequenced_steps_function`; `train_on_batch` trains through it too). Keras' own loop takes the next batch while a step
-    runs, so the error could abort step 6's update after its step counter moved: one fit in two on this setup."""
+    full, every time (`step_assembly.sequenced_steps_function`; `train_on_batch` trains through it too). Keras'
+    own loop takes the next batch while a step runs, so the error could abort step 6's update after its step
+    counter moved: one fit in two on this setup."""
     out = SHARED.result("input error at steps_per_execution=4")
     assert out["on_batch"]["iterations"] == 3 and out["on_batch"]["losses"] == sorted(out["on_batch"]["losses"],
                                                                                        reverse=True)
