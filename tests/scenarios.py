@@ -144,7 +144,7 @@ class Preloaded:
 
     def _read(self, name):
         try:
-            with open(self.paths[name]) as handle:
+            with open(self.paths[name], errors="replace") as handle:  # TensorFlow may log raw bytes
                 return handle.read()
         except FileNotFoundError:
             return ""

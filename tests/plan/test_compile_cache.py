@@ -173,8 +173,11 @@ def test_prepare_unwritable_folder_warns_once_naming_it_and_reads_it(tmp_path, c
     with caplog.at_level("WARNING", logger="tf_nvlink"):
         state = cc.prepare(str(tmp_path / "locked"), "k", environ)
     assert len(caplog.records) == 1 and str(folder) in caplog.text and "Permission denied" in caplog.text
-    assert state.read_only and state.folder == str(folder)
-    assert environ["TF_XLA_FLAGS"] == cc.with_cache_flags("", str(folder), read_only=True)
+    # read through a private folder of links (a link can be dropped later; the folder itself never changes)
+    assert state.read_only and state.source == str(folder) and state.folder != str(folder)
+    assert os.listdir(state.folder) == os.listdir(folder)
+    assert os.path.realpath(os.path.join(state.folder, os.listdir(folder)[0])) == str(folder / os.listdir(folder)[0])
+    assert environ["TF_XLA_FLAGS"] == cc.with_cache_flags("", state.folder, read_only=True)
 
 
 def test_prepare_folder_that_cannot_be_created_goes_uncached(tmp_path, caplog):
@@ -214,3 +217,81 @@ def test_stale_temporaries_of_killed_writers_go(tmp_path):
     assert cc.drop_stale_temporaries(str(tmp_path)) == 1
     assert not old.exists() and fresh.exists()
     assert cc.entries(str(tmp_path)) == []  # a temporary is never taken for an entry
+
+
+def test_the_users_folder_with_a_bad_entry_is_read_through_links_and_never_changed(tmp_path, caplog):
+    users = tmp_path / "mine"
+    good = write_entry(users, signature=1)
+    bad = write_entry(users, signature=2)
+    os.truncate(bad, 20)
+    before = sorted(os.listdir(users))
+    environ = {"TF_XLA_FLAGS": f"--tf_xla_auto_jit=2 {cc.FLAG_DIR}={users} {cc.FLAG_PREFIX}=tf_nvlink_user"}
+    with caplog.at_level("WARNING", logger="tf_nvlink"):
+        state = cc.prepare("auto", "k", environ)
+    assert state.users and state.read_only and state.source == str(users) and state.skipped[0][0] == bad
+    assert os.listdir(state.folder) == [os.path.basename(good)] and sorted(os.listdir(users)) == before
+    assert cc.flag_value(environ["TF_XLA_FLAGS"], cc.FLAG_DIR) == state.folder
+    assert cc.flag_value(environ["TF_XLA_FLAGS"], cc.FLAG_READ_ONLY) == "true"
+    assert cc.flag_value(environ["TF_XLA_FLAGS"], cc.FLAG_PREFIX) == "tf_nvlink_user"  # the user's, kept
+    assert "--tf_xla_auto_jit=2" in environ["TF_XLA_FLAGS"]
+    assert len(caplog.records) == 1 and os.path.basename(bad) in caplog.text and "does not change" in caplog.text
+    # prepared again in the same process (the facade, then the strategy): the same private folder, no new warning
+    again = cc.prepare("auto", "k", environ)
+    assert again.folder == state.folder and again.source == str(users) and len(caplog.records) == 1
+    # damaged after that: `recheck` drops its link, the user's file stays
+    with open(good, "r+b") as handle:
+        handle.truncate(10)
+    assert [action[:8] for _, _, action in cc.recheck(again)] == ["not read"]
+    assert os.listdir(state.folder) == [] and sorted(os.listdir(users)) == before
+
+
+def test_the_users_folder_read_by_tensorflow_before_tf_nvlink_is_named_not_changed(tmp_path, caplog):
+    users = tmp_path / "mine"
+    bad = write_entry(users, signature=2)
+    os.truncate(bad, 0)
+    environ = {"TF_XLA_FLAGS": f"{cc.FLAG_DIR}={users}"}
+    with caplog.at_level("WARNING", logger="tf_nvlink"):
+        state = cc.prepare("auto", "k", environ, tensorflow_started=True)
+    assert state.folder == str(users) and state.users and state.source is None and os.path.exists(bad)
+    assert environ == {"TF_XLA_FLAGS": f"{cc.FLAG_DIR}={users}"}
+    assert "reads them itself" in caplog.text and os.path.basename(bad) in caplog.text
+    assert cc.recheck(state) == []  # named already: not again
+
+
+def test_recheck_deletes_from_tf_nvlinks_own_folder_only(tmp_path):
+    own = cc.prepare(str(tmp_path / "cache"), "k", {})
+    entry = write_entry(own.folder)
+    os.truncate(entry, 7)
+    (path, problem, action), = cc.recheck(own)
+    assert path == entry and "not an XLA cache entry" in problem and action.startswith("deleted")
+    assert not os.path.exists(entry)
+    theirs = tmp_path / "theirs"
+    entry = write_entry(theirs)
+    os.truncate(entry, 7)
+    users = cc.CacheState("auto", str(theirs), users=True)
+    assert cc.recheck(users)[0][2].startswith("left in place") and os.path.exists(entry)
+    assert cc.recheck(cc.CacheState("off", None)) == [] and cc.recheck(None) == []
+
+
+def test_a_read_failure_names_the_entry_and_what_to_do(tmp_path):
+    message = "Graph execution error:\n\n2 root error(s) found.\n  (0) OUT_OF_RANGE:  Read less bytes than requested"
+    own = cc.prepare(str(tmp_path / "cache"), "k", {})
+    entry = write_entry(own.folder)
+    os.truncate(entry, 7)
+    error = cc.read_failure(own, message)
+    assert isinstance(error, cc.CompileCacheError)
+    text = str(error)
+    assert "'Read less bytes than requested'" in text and os.path.basename(entry) in text
+    assert "deleted now: run again" in text and not os.path.exists(entry)  # the next run compiles it again
+    users = tmp_path / "theirs"
+    entry = write_entry(users)
+    os.truncate(entry, 7)
+    text = str(cc.read_failure(cc.CacheState("auto", str(users), users=True), message))
+    assert "does not change that folder" in text and entry in text and os.path.exists(entry)
+    locked = cc.CacheState("auto", "/tmp/x", read_only=True, source=str(users))
+    assert f"{cc.CLEAR_COMMAND} --dir {tmp_path}" in str(cc.read_failure(locked, message))
+    # not the cache: no entry damaged and TensorFlow's text does not point at it; the cache off
+    elsewhere = cc.read_failure(own, "OUT_OF_RANGE: StopIteration")
+    assert type(elsewhere) is RuntimeError and "does not point at it" in str(elsewhere)
+    off = cc.read_failure(cc.CacheState("off", None), message)
+    assert type(off) is RuntimeError and "is off in this process" in str(off)

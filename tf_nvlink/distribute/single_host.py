@@ -93,21 +93,13 @@ def prepare_compile_cache(compile_cache="auto", request: str = "", topology: Opt
     read (or that it read none) instead."""
     before = os.environ.get("TF_XLA_FLAGS", "")
     listed = tf_runtime.tensorflow_devices_listed()
-    state = compile_cache_lib.prepare_process(compile_cache, request, topology, max_bytes=max_bytes)
+    state = compile_cache_lib.prepare_process(compile_cache, request, topology, max_bytes=max_bytes,
+                                              tensorflow_started=listed)
     read = compile_cache_lib.flag_value(before, compile_cache_lib.FLAG_DIR)
-    if listed and not state.users and read != state.folder:
+    if listed and read != state.folder:
         # TensorFlow read TF_XLA_FLAGS before this call: its programs go where `before` said, if anywhere.
-        if read:
-            note = (f"compile cache {read}: TensorFlow read TF_XLA_FLAGS before tf_nvlink.strategy() (this "
-                    f"process's own folder would be {state.folder}); its programs go to the folder it read")
-            state = dataclasses.replace(state, folder=read, note=note)
-        else:
-            note = (f"compile cache not used in this process: TensorFlow listed its devices before "
-                    f"tf_nvlink.strategy() set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): "
-                    f"build the strategy before importing TensorFlow, or export "
-                    f"TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'")
-            state = dataclasses.replace(state, folder=None, note=note)
-        compile_cache_lib.warn_once(note)
+        state = compile_cache_lib.what_tensorflow_read(state, read)
+        compile_cache_lib.warn_once(state.note)
     _COMPILE_CACHE["state"] = state
     return state
 

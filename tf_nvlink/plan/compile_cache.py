@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -35,6 +36,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +59,14 @@ FLAG_DEVICE_TYPES = "--tf_xla_persistent_cache_device_types"
 CACHE_FLAGS = (FLAG_DIR, FLAG_READ_ONLY, FLAG_PREFIX, FLAG_DEVICE_TYPES)
 _WARNED: set = set()  # each warning once per process (the strategy and a caller before it may both prepare)
 _ENTRY_NAME = re.compile(r"^(?P<prefix>.+)__(?P<signature>\d+)__(?P<cluster>\d+)__(?P<device>[A-Za-z0-9_]+)\.pb$")
+CLEAR_COMMAND = "tf-nvlink cache --clear"
+_READ_FAILURE = "Read less bytes than requested"  # TensorFlow's text for an entry shorter than its framing says
+
+
+class CompileCacheError(RuntimeError):
+    """A step failed because TensorFlow could not read a compile-cache entry (TensorFlow returns that as the step's
+    OutOfRangeError, which Keras would take for the end of the input). The message names the folder, the entries
+    that look damaged and what to do."""
 
 
 def validate_setting(compile_cache) -> str:
@@ -177,12 +187,12 @@ def request_text(gpus="all", devices=None, xla_allreduce="auto", xla_flags="auto
 
 def prepare_process(compile_cache="auto", request: str = "", topology=None,
                     environ: Optional[MutableMapping[str, str]] = None,
-                    max_bytes: int = DEFAULT_MAX_BYTES) -> CacheState:
+                    max_bytes: int = DEFAULT_MAX_BYTES, tensorflow_started: bool = False) -> CacheState:
     """`prepare` for this process, without TensorFlow: the context key from the installed TensorFlow's version,
     tf_nvlink's, the environment's XLA flags, `request` (`request_text` of the strategy's arguments) and this
     machine's GPUs (`topology`, default: NVML probed now). `tf_nvlink.strategy()` calls it before it imports
     TensorFlow: under absl's `app.run`, importing TensorFlow lists its devices at once (an init callback of
-    TensorFlow's), and TensorFlow reads `TF_XLA_FLAGS` then.
+    TensorFlow's), and TensorFlow reads `TF_XLA_FLAGS` then. `tensorflow_started`: it has read them already.
 
     Example:
         >>> prepare_process("auto", request_text(devices=["/cpu:0", "/cpu:1"])).folder
@@ -197,7 +207,7 @@ def prepare_process(compile_cache="auto", request: str = "", topology=None,
     context = context_key(_tf_version(), __version__, environ.get("XLA_FLAGS", ""),
                           environ.get("TF_XLA_FLAGS", ""), [gpu.name for gpu in topology.gpus],
                           topology.driver_version, request)
-    return prepare(setting, context, environ, max_bytes)
+    return prepare(setting, context, environ, max_bytes, tensorflow_started)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +351,61 @@ def drop_bad_entries(folder: str) -> list[tuple[str, str]]:
     return dropped
 
 
+def bad_entries(folder: str) -> list[tuple[str, str]]:
+    """(path, problem) of each entry directly in `folder` that TensorFlow could not load (`entry_problem`), without
+    changing anything: the check for folders tf_nvlink may not change (read-only ones, the user's own).
+
+    Example:
+        >>> bad_entries("/shared/xla")
+        [('/shared/xla/tf_nvlink__1__2__GPU.pb', 'not an XLA cache entry (field 3 runs past the end of the file)')]
+    """
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if _ENTRY_NAME.match(name) and os.path.isfile(path):
+            problem = entry_problem(path)
+            if problem is not None:
+                found.append((path, problem))
+    return found
+
+
+def reading_folder(source: str, leave_out: Iterable[str] = (), folder: Optional[str] = None) -> str:
+    """A private folder of this process holding a link to each entry of `source` but those in `leave_out` (paths):
+    TensorFlow reads `source`'s programs from it, read-only, without ever seeing the entries left out, and a link
+    can be dropped later (`recheck`) while `source` stays as it is. Made in the temporary folder and removed when
+    the process exits; `folder`, one made before, is brought up to date instead. OSError when it cannot be made.
+
+    Example:
+        >>> reading_folder("/shared/xla/9c1e", leave_out=["/shared/xla/9c1e/tf_nvlink__1__2__GPU.pb"])
+        '/tmp/tf_nvlink_xla_read_k2j3'
+    """
+    skipped = {os.path.abspath(path) for path in leave_out}
+    made = folder is None
+    if made:
+        folder = tempfile.mkdtemp(prefix="tf_nvlink_xla_read_")
+        creator = os.getpid()
+        # a forked child that exits through Python must not remove its parent's folder
+        atexit.register(lambda: os.getpid() == creator and shutil.rmtree(folder, ignore_errors=True))
+    try:
+        wanted = {name for name in os.listdir(source) if _ENTRY_NAME.match(name)
+                  and os.path.abspath(os.path.join(source, name)) not in skipped
+                  and os.path.isfile(os.path.join(source, name))}
+        for name in os.listdir(folder):
+            if name not in wanted:
+                os.unlink(os.path.join(folder, name))
+        for name in sorted(wanted - set(os.listdir(folder))):
+            os.symlink(os.path.abspath(os.path.join(source, name)), os.path.join(folder, name))
+    except OSError:
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
 def evict(root: str, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Entry]:
     """Delete the oldest entries (by modification time) under `root`, every context folder included, until the
     rest fit in `max_bytes`; then remove context folders left empty. Returns the deleted entries."""
@@ -421,8 +486,10 @@ def folder_problem(folder: str) -> tuple[Optional[str], bool]:
 
 @dataclasses.dataclass(frozen=True)
 class CacheState:
-    """What `prepare` did: `folder` is the context folder TensorFlow reads and writes (None: no cache this
-    process), `note` one line for the log and the report."""
+    """What `prepare` did: `folder` is the folder TensorFlow reads (and writes, unless `read_only`; None: no cache
+    this process), `note` one line for the log and the report. When TensorFlow reads another folder's entries
+    through a private folder of links (`reading_folder`: a read-only folder, or the user's own holding entries
+    TensorFlow could not load), `source` is that folder and `skipped` the (path, problem) of the entries left out."""
 
     setting: str
     folder: Optional[str]
@@ -431,18 +498,34 @@ class CacheState:
     note: str = ""
     dropped: int = 0
     evicted: int = 0
+    source: Optional[str] = None
+    skipped: tuple = ()
 
     @property
     def active(self) -> bool:
         return self.folder is not None
 
+    @property
+    def entries_folder(self) -> Optional[str]:
+        """The folder the entries really are in: `source` when read through links, else `folder`."""
+        return self.source or self.folder
+
+
+_READ_THROUGH: dict = {}  # a private reading folder of this process -> the CacheState that made it
+
 
 def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, str]] = None,
-            max_bytes: int = DEFAULT_MAX_BYTES) -> CacheState:
+            max_bytes: int = DEFAULT_MAX_BYTES, tensorflow_started: bool = False) -> CacheState:
     """Set up the cache for this process before TensorFlow starts: resolve the folder (`root_folder`), respect a
-    folder the user put in `TF_XLA_FLAGS`, check the folder can be written (else read-only when it can be read,
-    else no cache; one warning either way), drop bad entries (one warning), keep the size bound, and write the
-    flags into `environ["TF_XLA_FLAGS"]` (default os.environ). `context` is `context_key(...)`.
+    folder the user put in `TF_XLA_FLAGS`, check the folder can be written, drop bad entries (one warning), keep
+    the size bound, and write the flags into `environ["TF_XLA_FLAGS"]` (default os.environ). `context` is
+    `context_key(...)`.
+
+    No entry TensorFlow could not load is ever given to it: a folder tf_nvlink may not change (a read-only one, or
+    the user's own holding such entries; the user's is never written to by tf_nvlink) is read through a private
+    folder of links to its sound entries, read-only (`reading_folder`); one warning names the entries left out.
+    An unwritable folder that cannot be read means no cache (one warning). `tensorflow_started`: TensorFlow has
+    read `TF_XLA_FLAGS` already, so it reads the user's folder itself, whatever is set now (the warning says so).
 
     A folder whose path holds spaces goes into `TF_XLA_FLAGS` in double quotes (TensorFlow's parser keeps a quoted
     value whole); one holding a double quote, a tab or a newline cannot: one warning, and no cache.
@@ -451,6 +534,20 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
     current = environ.get("TF_XLA_FLAGS", "")
     theirs = users_cache_folder(current)
     if theirs is not None:
+        made = _READ_THROUGH.get(theirs)
+        if made is not None:  # this process already reads the user's folder through links: keep them current
+            return _read_through(made.setting, made.source, environ, current, users=True)
+        bad = bad_entries(theirs)
+        if bad and not tensorflow_started:
+            return _read_through(setting, theirs, environ, current, users=True)
+        if bad:
+            note = (f"compile cache: the folder TF_XLA_FLAGS names ({FLAG_DIR}={theirs}) holds "
+                    f"{_count(bad)} TensorFlow could not load ({_named(bad)}), and TensorFlow read TF_XLA_FLAGS "
+                    f"before tf_nvlink.strategy() (under absl's app.run, importing TensorFlow does): it reads them "
+                    f"itself, and the step that reads one stops with an error naming it. tf_nvlink does not change "
+                    f"that folder: delete {'it' if len(bad) == 1 else 'them'}")
+            warn_once(note)
+            return CacheState(setting, theirs, users=True, note=note, skipped=tuple(bad))
         note = (f"compile cache: TF_XLA_FLAGS already sets {FLAG_DIR}={theirs}; tf_nvlink keeps it and does not "
                 f"manage that folder")
         warn_once(note, logging.INFO)
@@ -468,13 +565,12 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
         return CacheState(setting, None, note=note)
     problem, readable = folder_problem(folder)
     if problem is not None:
-        read_only = readable and os.path.isdir(folder)
-        _set_flags(environ, with_cache_flags(current, folder, read_only=True) if read_only
-                   else without_cache_flags(current))
-        note = (f"compile cache folder {folder} is not writable ({problem}): "
-                + ("its programs are read, new ones are not kept" if read_only else "training goes on uncached"))
+        if readable and os.path.isdir(folder):
+            return _read_through(setting, folder, environ, current, users=False, problem=problem)
+        _set_flags(environ, without_cache_flags(current))
+        note = f"compile cache folder {folder} is not writable ({problem}): training goes on uncached"
         warn_once(note)
-        return CacheState(setting, folder if read_only else None, read_only=read_only, note=note)
+        return CacheState(setting, None, note=note)
     dropped = drop_bad_entries(folder)
     if dropped:
         log.warning("tf_nvlink: compile cache: deleted %d entr%s TensorFlow could not load, compiled again when "
@@ -489,6 +585,161 @@ def prepare(setting: str, context: str, environ: Optional[MutableMapping[str, st
             f"{total_bytes(kept) / 2**20:.1f} MiB; bound {max_bytes / 2**30:g} GiB"
             + (f", {len(evicted)} oldest evicted" if evicted else "") + ")")
     return CacheState(setting, folder, note=note, dropped=len(dropped), evicted=len(evicted))
+
+
+def _read_through(setting: str, source: str, environ: MutableMapping[str, str], current: str, users: bool,
+                  problem: str = "") -> CacheState:
+    """`source` read, read-only, through a private folder of links to its sound entries (one per process and
+    source, brought up to date when prepared again: entries damaged since are left out)."""
+    bad = bad_entries(source)
+    previous = next((made.folder for made in _READ_THROUGH.values() if made.source == source), None)
+    whose = (f"the folder TF_XLA_FLAGS names ({FLAG_DIR}={source})" if users
+             else f"compile cache folder {source} is not writable ({problem}):")
+    left_out = (f"{len(bad)} entr{'y' if len(bad) == 1 else 'ies'} there TensorFlow could not load "
+                f"({_named(bad)}) {'is' if len(bad) == 1 else 'are'} not read" if bad else "")
+    try:
+        folder = reading_folder(source, [path for path, _ in bad], folder=previous)
+    except OSError as exc:
+        _set_flags(environ, without_cache_flags(current))
+        note = (f"compile cache: {whose} {left_out + '; ' if left_out else ''}no private folder could be made to "
+                f"read it through ({exc.strerror or exc}): training goes on uncached")
+        warn_once(note)
+        return CacheState(setting, None, users=users, note=note, source=source, skipped=tuple(bad))
+    _set_flags(environ, _reading_flags(current, folder, users))
+    if users:
+        note = (f"compile cache: {whose}: {left_out}. tf_nvlink does not change that folder: this process reads "
+                f"its other entries read-only, through links in {folder}, and stores no new program; delete "
+                f"the damaged entr{'y' if len(bad) == 1 else 'ies'} to store programs there again")
+    else:
+        note = (f"compile cache folder {source} is not writable ({problem}): its programs are read, new ones are "
+                f"not kept" + (f"; {left_out} (`{CLEAR_COMMAND} --dir {os.path.dirname(source)}` by a user who "
+                               f"can write it deletes them)" if bad else ""))
+    warn_once(note)
+    state = CacheState(setting, folder, read_only=True, users=users, note=note, source=source, skipped=tuple(bad))
+    _READ_THROUGH[folder] = state
+    return state
+
+
+def _reading_flags(text: str, folder: str, users: bool) -> str:
+    """`TF_XLA_FLAGS` pointing TensorFlow at a private reading folder, read-only; the user's own prefix and device
+    types are kept (a child process takes the result for the user's folder, which it then checks itself)."""
+    if not users:
+        return with_cache_flags(text, folder, read_only=True)
+    kept = [part for part in split_flags(text) if part.partition("=")[0] not in (FLAG_DIR, FLAG_READ_ONLY)]
+    return " ".join(kept + [_flag(FLAG_DIR, folder), f"{FLAG_READ_ONLY}=true"])
+
+
+def _count(found: Sequence) -> str:
+    return f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}"
+
+
+def _named(found: Sequence[tuple[str, str]], limit: int = 3) -> str:
+    return "; ".join(f"{os.path.basename(path)}: {why}" for path, why in found[:limit]) + (
+        " ..." if len(found) > limit else "")
+
+
+def what_tensorflow_read(state: CacheState, read: Optional[str]) -> CacheState:
+    """The cache of a process whose TensorFlow read `TF_XLA_FLAGS` before `prepare` set them: the folder it read
+    (`read`, its value then; None: no cache) replaces `state`'s, with a note saying so.
+
+    Example:
+        >>> what_tensorflow_read(state, None).note[:39]
+        'compile cache not used in this process:'
+    """
+    if read is None:
+        return dataclasses.replace(state, folder=None, source=None, note=(
+            f"compile cache not used in this process: TensorFlow listed its devices before tf_nvlink.strategy() "
+            f"set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): build the strategy before "
+            f"importing TensorFlow, or export TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'"))
+    made = _READ_THROUGH.get(read)
+    if made is not None:  # an earlier `prepare` of this process made that reading folder
+        return made
+    bad = bad_entries(read)
+    note = (f"compile cache {read}: TensorFlow read TF_XLA_FLAGS before tf_nvlink.strategy() (this process's own "
+            f"folder would be {state.folder}); its programs go to the folder it read")
+    if bad:
+        note += (f"; {_count(bad)} there TensorFlow could not load ({_named(bad)}) would stop the step that reads "
+                 f"{'it' if len(bad) == 1 else 'them'}: delete {'it' if len(bad) == 1 else 'them'}")
+    return CacheState(state.setting, read, note=note, skipped=tuple(bad))
+
+
+def recheck(state: Optional[CacheState]) -> list[tuple[str, str, str]]:
+    """The entries of the folder TensorFlow reads that it could not load now (damaged since `prepare`), each made
+    harmless where tf_nvlink may: deleted from its own writable folder (compiled again), its link dropped from a
+    private reading folder; an entry of the user's folder read directly is left as it is (a step that reads it
+    stops with `CompileCacheError`). Returns (path, problem, what was done) of each. Called before a function's
+    first execution, when TensorFlow looks its programs up.
+
+    Example:
+        >>> recheck(single_host.current_compile_cache())
+        [('/home/me/.cache/tf_nvlink/xla/9c1e/tf_nvlink__1__2__CPU.pb', 'not an XLA cache entry (...)', 'deleted: ...')]
+    """
+    if state is None or not state.active:
+        return []
+    known = {path for path, _ in state.skipped}  # named when the state was made
+    found = [(path, problem) for path, problem in bad_entries(state.folder) if path not in known]
+    done = []
+    for path, problem in found:
+        if state.source is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            done.append((os.path.join(state.source, os.path.basename(path)), problem,
+                         "not read: its link is dropped from this process's private reading folder"))
+        elif state.users or state.read_only:
+            done.append((path, problem, "left in place (tf_nvlink does not change this folder): the step that "
+                                        "reads it stops with an error naming it"))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            done.append((path, problem, "deleted: its program is compiled again"))
+    return done
+
+
+def read_failure(state: Optional[CacheState], tensorflow_message: str) -> RuntimeError:
+    """The error for a step that failed with an OutOfRangeError not from its input (`tensorflow_message`: its
+    text): with the cache on, a `CompileCacheError` naming the folder, the entries that look damaged now and what
+    to do (in tf_nvlink's own writable folder they are deleted, so that the next run compiles them again); with
+    it off, a RuntimeError saying the cache is not the cause.
+
+    Example:
+        >>> raise read_failure(state, "Read less bytes than requested") from error
+    """
+    cause = re.search(r"OUT_OF_RANGE:\s*(.+)", tensorflow_message or "")
+    first_line = cause.group(1).strip() if cause else next(
+        (line.strip() for line in (tensorflow_message or "").splitlines() if line.strip()), "")
+    where = state.entries_folder if state is not None and state.active else None
+    found = bad_entries(where) if where else []
+    text = (f"tf_nvlink: a step failed with an OutOfRangeError that did not come from the input (TensorFlow: "
+            f"{first_line!r}); Keras would have ended the epoch as if the data had run out. ")
+    if where is None:
+        return RuntimeError(text + "The compile cache is off in this process, so it is not the cause.")
+    if not found and _READ_FAILURE not in (tensorflow_message or ""):
+        return RuntimeError(text + f"No entry of the compile cache folder {where} looks damaged, and TensorFlow's "
+                                   f"message does not point at it; if it does come from the cache, "
+                                   f"`{CLEAR_COMMAND}` empties it and tf_nvlink.strategy(compile_cache='off') "
+                                   f"trains without it.")
+    text += f"TensorFlow reads XLA programs from the compile cache folder {where}"
+    if state.source is not None:
+        text += f" (through links in {state.folder})"
+    if found:
+        text += f"; entries it cannot load there now: {_named(found, limit=5)}. "
+    else:
+        text += ("; no entry there looks damaged now (damage inside a program's bytes is not seen by the check). ")
+    if state.users:
+        remedy = (f"tf_nvlink does not change that folder (TF_XLA_FLAGS names it): delete the damaged entries "
+                  f"({', '.join(path for path, _ in found) or 'or the folder'}), or leave {FLAG_DIR} out of "
+                  f"TF_XLA_FLAGS, then run again.")
+    elif state.read_only:
+        remedy = (f"Its folder is read-only to this process: `{CLEAR_COMMAND} --dir {os.path.dirname(where)}` by a "
+                  f"user who can write it, or tf_nvlink.strategy(compile_cache='off'), then run again.")
+    else:
+        for path, _ in found:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        remedy = ("Those entries are deleted now: run again (their programs are compiled again). "
+                  if found else f"`{CLEAR_COMMAND}` empties the cache; ") + \
+            "tf_nvlink.strategy(compile_cache='off') trains without it."
+    return CompileCacheError(text + remedy)
 
 
 def _tf_version() -> str:

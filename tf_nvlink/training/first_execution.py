@@ -45,6 +45,9 @@ class FirstExecution:
             return
         self.done = True
         state = single_host.current_compile_cache()
+        for path, problem, action in compile_cache.recheck(state):
+            compile_cache.warn_once(f"compile cache entry {path} cannot be loaded by TensorFlow ({problem}): "
+                                    f"{action}")
         folder = state.folder if state is not None and state.active else None
         before = _entry_names(folder)
         replicas = self.model.distribute_strategy.num_replicas_in_sync
@@ -62,14 +65,20 @@ class FirstExecution:
         timer.daemon = True
         start = time.perf_counter()
         timer.start()
+        failed = True
         try:
             yield
+            failed = False
         finally:
             timer.cancel()
             seconds = time.perf_counter() - start
-            log.log(logging.WARNING if loud.is_set() else logging.INFO, "tf_nvlink: first %s execution of model "
-                    "%r took %.1f s: %s", self.kind, self.model.name, seconds, verdict(state, before,
-                                                                                       _entry_names(folder)))
+            level = logging.WARNING if loud.is_set() or failed else logging.INFO
+            if failed:
+                log.log(level, "tf_nvlink: first %s execution of model %r failed after %.1f s", self.kind,
+                        self.model.name, seconds)
+            else:
+                log.log(level, "tf_nvlink: first %s execution of model %r took %.1f s: %s", self.kind,
+                        self.model.name, seconds, verdict(state, before, _entry_names(folder)))
 
 
 def verdict(state: Optional[compile_cache.CacheState], before: set, after: set) -> str:
