@@ -15,7 +15,7 @@ from tf_nvlink.util.version import __version__  # noqa: E402
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
 __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "sync_non_trainable",
-           "synced_step", "average_loss", "compiled_steps", "__version__"]
+           "synced_step", "average_loss", "compiled_steps", "CompileCacheError", "__version__"]
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
@@ -138,7 +138,8 @@ def compiled_steps(strategy, step, steps):
 
 def __getattr__(name):
     """`tf_nvlink.NVLinkMonitor` (the Keras callback of tf_nvlink.training.nvlink_monitor) and
-    `tf_nvlink.StepDoctor` (tf_nvlink.tools.doctor.callback), imported with Keras on first use."""
+    `tf_nvlink.StepDoctor` (tf_nvlink.tools.doctor.callback), imported with Keras on first use;
+    `tf_nvlink.CompileCacheError` (tf_nvlink.plan.compile_cache: a step failed reading the compile cache)."""
     if name == "NVLinkMonitor":
         from tf_nvlink.training import nvlink_monitor
 
@@ -147,4 +148,8 @@ def __getattr__(name):
         from tf_nvlink.tools.doctor import callback
 
         return callback.StepDoctor
+    if name == "CompileCacheError":
+        from tf_nvlink.plan import compile_cache
+
+        return compile_cache.CompileCacheError
     raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")

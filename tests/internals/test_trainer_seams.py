@@ -54,6 +54,21 @@ def test_make_function_resolve_jit_and_symbolic_build():
     assert "def reduce_per_replica(values, strategy, reduction)" in inspect.getsource(tf_trainer.reduce_per_replica)
 
 
+def test_every_out_of_range_error_of_a_step_is_the_end_of_the_input_to_keras():
+    """What `trainer._patch_input_end` stands between: Keras' TensorFlow epoch iterator turns any OutOfRangeError of
+    the steps, or of its wait for them, into StopIteration (the end of the input), and its base ends the epoch."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    catch = inspect.getsource(_original(tf_trainer.TFEpochIterator, "catch_stop_iteration"))
+    assert "with super().catch_stop_iteration():" in catch
+    assert catch.index("yield") < catch.index("self.tf_sync()") < catch.index("except tf.errors.OutOfRangeError:")
+    assert "raise StopIteration" in catch
+    base = inspect.getsource(EpochIterator.catch_stop_iteration)
+    assert "except StopIteration:" in base and "self._interrupted_warning()" in base
+    assert "tf_context.async_wait()" in inspect.getsource(tf_trainer.TFEpochIterator.tf_sync)
+
+
 def test_epochs_and_the_distributed_input():
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.trainers.data_adapters import tf_dataset_adapter

@@ -5,9 +5,12 @@ training goes on. The folder's path holds a space (quoted in TF_XLA_FLAGS). Each
 jit-compiled model over logical CPU replicas (2 unless asked; split mode: one XLA program per replica) and prints
 one JSON line: the cache folder, its entries (name, mtime) and the log lines."""
 
+import contextlib
 import json
 import logging
 import os
+import shutil
+import subprocess
 import time
 import types
 
@@ -27,26 +30,40 @@ logging.getLogger("tf_nvlink").setLevel(logging.INFO)
 setting = sys.argv[1]
 replicas = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 devices = [f"/cpu:{index}" for index in range(replicas)]
+validation = bool(os.environ.get("WORKER_VALIDATION"))  # evaluate's programs too: 4 entries on 2 replicas
 from tf_nvlink.plan import compile_cache
-# before the CPU is split into logical devices (TensorFlow reads TF_XLA_FLAGS then), as tf_nvlink.strategy() does
-compile_cache.prepare_process(setting, compile_cache.request_text(devices=devices))
+if not os.environ.get("WORKER_TENSORFLOW_FIRST"):
+    # before the CPU is split into logical devices (TensorFlow reads TF_XLA_FLAGS then), as tf_nvlink.strategy() does
+    compile_cache.prepare_process(setting, compile_cache.request_text(devices=devices))
 import tensorflow as tf
 cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
+tf.config.list_logical_devices()
 import keras, numpy as np
 keras.utils.set_random_seed(1)
 from tf_nvlink.training import install
+from tf_nvlink.distribute import single_host
 strategy = install.build_strategy(devices=devices, compile_cache=setting)
 with strategy.scope():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)],
                              name="tiny")
     model.compile("sgd", "mse", jit_compile=True, steps_per_execution=2)
-x = np.linspace(0, 1, 256, dtype="float32").reshape(32, 8)
-history = model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
-from tf_nvlink.distribute import single_host
 state = single_host.current_compile_cache()
+if os.environ.get("WORKER_TRUNCATE_AFTER_STRATEGY"):  # an entry damaged between strategy() and the first step
+    victim = compile_cache.entries(state.folder)[0].path
+    os.truncate(victim, os.path.getsize(victim) // 2)
+x = np.linspace(0, 1, 256, dtype="float32").reshape(32, 8)
+loss = error = None
+try:
+    history = model.fit(x, x[:, :1], batch_size=8, epochs=2 if validation else 1, verbose=0,
+                        validation_data=(x[:16], x[:16, :1]) if validation else None)
+    loss = history.history["loss"][-1]
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
 found = compile_cache.entries(state.folder) if state.folder else []
-print(json.dumps({"folder": state.folder, "loss": history.history["loss"][-1], "records": records,
+print(json.dumps({"folder": state.folder, "loss": loss, "error": error, "records": records,
+                  "iterations": int(model.optimizer.iterations.numpy()),
+                  "weights": [w.ravel().tolist() for w in model.get_weights()],
                   "entries": {os.path.basename(e.path): e.mtime for e in found}}))
 """
 
@@ -55,7 +72,7 @@ def start(setting, replicas=2, **env):
     """The worker, forked from the process that imported TensorFlow once (TensorFlow reads TF_XLA_FLAGS at its first
     device listing, which comes after the fork)."""
     # TF_XLA_FLAGS="": a flag this pytest process set must not reach the worker
-    return scenarios.start_preloaded(WORKER, env=dict(TF_CPP_MIN_LOG_LEVEL="2", TF_XLA_FLAGS="", **env), timeout=300,
+    return scenarios.start_preloaded(WORKER, env={"TF_CPP_MIN_LOG_LEVEL": "2", "TF_XLA_FLAGS": "", **env}, timeout=300,
                                      argv=[str(setting), str(replicas)])
 
 
@@ -148,3 +165,130 @@ def test_a_slow_first_execution_is_said_loudly(monkeypatch, caplog):
     assert "model 'm' on 2 replicas (per-step path)" in caplog.records[0].getMessage()
     assert "still running after 0 s" in caplog.records[1].getMessage()
     assert "took 0.3 s" in caplog.records[2].getMessage()
+
+
+# ---- damaged entries where tf_nvlink may not delete them, and damage after the strategy is built ---------------
+
+@contextlib.contextmanager
+def _read_only(folder):
+    """`folder` read-only to the worker: chmod 555, or for root (whom chmod does not stop) the immutable attribute
+    (`chattr +i`); skips the test where neither can be set."""
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o555)
+        try:
+            yield
+        finally:
+            os.chmod(folder, 0o755)
+        return
+    made = subprocess.run(["chattr", "+i", folder], capture_output=True, text=True) if shutil.which("chattr") else None
+    if made is None or made.returncode != 0:
+        pytest.skip(f"running as root, and the folder cannot be made immutable: "
+                    f"{made.stderr.strip() if made is not None else 'no chattr'}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", folder], check=True)
+
+
+def _damage(folder):
+    """Three of the folder's four entries damaged: one truncated, one emptied, one overwritten with bytes that are
+    no XLA entry; returns their names."""
+    names = sorted(name for name in os.listdir(folder) if name.endswith(".pb"))
+    assert len(names) == 4, names  # 2 replicas x (train, test)
+    truncated, empty, garbage = (os.path.join(folder, name) for name in names[:3])
+    os.truncate(truncated, os.path.getsize(truncated) // 2)
+    os.truncate(empty, 0)
+    with open(garbage, "wb") as handle:
+        handle.write(b"\x0a\xff\xff garbage, not an XLA entry")
+    return names[:3]
+
+
+def _contents(folder):
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """The weights of compile_cache="off", and a managed folder and a folder of the user's own each filled by one
+    fit (fit and evaluate programs of 2 replicas)."""
+    base = str(tmp_path_factory.mktemp("damaged_cache"))
+    env = dict(WORKER_VALIDATION="1")
+    managed, users = os.path.join(base, "managed"), os.path.join(base, "users")
+    os.makedirs(users)
+    runs = [start("off", **env), start(managed, **env),
+            start("auto", **env, TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={users} "
+                                              f"--tf_xla_persistent_cache_prefix=mine")]
+    off, managed_run, users_run = (result(run) for run in runs)
+    assert off["error"] is None and len(managed_run["entries"]) == 4 and managed_run["weights"] == off["weights"]
+    assert len(os.listdir(users)) == 4 and users_run["weights"] == off["weights"]
+    return types.SimpleNamespace(base=base, env=env, off=off, managed=managed, context=managed_run["folder"],
+                                 users=users)
+
+
+def _copy(folder, to):
+    shutil.copytree(folder, to)
+    return to
+
+
+def test_damaged_entries_of_a_read_only_folder_are_never_read(seeded):
+    """A cache folder this process cannot write (shared read-only, mounted read-only) holding a truncated, an
+    empty and a garbage entry: TensorFlow reads the sound entry through a private folder of links and never the
+    damaged ones; training gives compile_cache="off"'s weights, one warning names them, the folder is unchanged."""
+    root = _copy(seeded.managed, os.path.join(seeded.base, "read_only"))
+    context = os.path.join(root, os.path.basename(seeded.context))
+    damaged = _damage(context)
+    before = _contents(context)
+    with _read_only(context):
+        run = result(start(root, **seeded.env))
+    assert run["error"] is None and run["weights"] == seeded.off["weights"] and run["iterations"] == 8
+    named = warnings(run, "not writable", *damaged)
+    assert len(named) == 1 and "its programs are read" in named[0] and "--clear" in named[0], run["records"]
+    assert not os.path.dirname(run["folder"]) == root  # TensorFlow reads a private folder of links
+    assert _contents(context) == before
+
+
+def test_damaged_entries_of_the_users_own_folder_are_never_read_and_the_folder_is_kept(seeded):
+    """The user's own `--tf_xla_persistent_cache_directory` holding the same damage: nothing deleted or added
+    there, the sound entry read through links, compile_cache="off"'s weights, one warning naming them."""
+    users = _copy(seeded.users, os.path.join(seeded.base, "users_damaged"))
+    damaged = _damage(users)
+    before = _contents(users)
+    run = result(start("auto", **seeded.env, TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={users} "
+                                                          f"--tf_xla_persistent_cache_prefix=mine"))
+    assert run["error"] is None and run["weights"] == seeded.off["weights"]
+    named = warnings(run, "TF_XLA_FLAGS names", *damaged)
+    assert len(named) == 1 and "does not change that folder" in named[0], run["records"]
+    assert _contents(users) == before
+
+
+def test_an_entry_damaged_after_the_strategy_is_built_is_compiled_again(seeded):
+    """An entry truncated between `strategy()` and the first step, in tf_nvlink's own folder: checked again before
+    the first execution, deleted (one warning), its program compiled again and stored; the weights are
+    compile_cache="off"'s."""
+    root = _copy(seeded.managed, os.path.join(seeded.base, "late"))
+    run = result(start(root, **seeded.env, WORKER_TRUNCATE_AFTER_STRATEGY="1"))
+    assert run["error"] is None and run["weights"] == seeded.off["weights"]
+    deleted = warnings(run, "cannot be loaded by TensorFlow", "deleted")
+    assert len(deleted) == 1, run["records"]
+    assert len(run["entries"]) == 4 and not compile_cache.bad_entries(run["folder"])
+
+
+def test_a_damaged_entry_tensorflow_reads_stops_training_with_an_error_naming_it(seeded):
+    """When TensorFlow has read TF_XLA_FLAGS before the strategy (absl's app.run) it reads the user's folder itself,
+    damaged entries included. Its OutOfRangeError would end every epoch at its first step as if the data had run
+    out; under tf_nvlink the fit stops with CompileCacheError naming the entry, inside its first epoch, and the
+    folder is kept."""
+    users = _copy(seeded.users, os.path.join(seeded.base, "users_read_first"))
+    names = sorted(os.listdir(users))
+    for name in names:  # every program of the fit damaged the same way: whichever is read first fails
+        os.truncate(os.path.join(users, name), os.path.getsize(os.path.join(users, name)) // 2)
+    before = _contents(users)
+    run = result(start("auto", **seeded.env, WORKER_TENSORFLOW_FIRST="1",
+                       TF_XLA_FLAGS=f"--tf_xla_persistent_cache_directory={users} "
+                                    f"--tf_xla_persistent_cache_prefix=mine"))
+    assert run["error"] is not None and run["error"].startswith("CompileCacheError"), run
+    assert "Read less bytes than requested" in run["error"] and names[0] in run["error"]
+    assert "as if the data had run out" in run["error"] and "delete the damaged entries" in run["error"]
+    assert run["iterations"] < 4  # the first epoch's steps: it did not go on
+    assert len(warnings(run, "TensorFlow read TF_XLA_FLAGS before tf_nvlink.strategy()", names[0])) == 1
+    assert _contents(users) == before

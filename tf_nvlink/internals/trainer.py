@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_nvlink.internals.registry import REGISTRY
@@ -72,7 +74,9 @@ def install_trainer_seams(rules) -> str | None:
     - `train_on_batch`, `test_on_batch`, `predict_on_batch` -> `split_batch(strategy, batch)` where
       `splits_batches(strategy)`: the batch (x, y, sample_weight; `class_weight` made sample weights first, as
       Keras does) is split over the replicas (None from the rule: Keras' call runs as it is);
-    - `EpochIterator._enumerate_iterator` -> `epoch_executions(epoch_iterator, keras_executions)`.
+    - `EpochIterator._enumerate_iterator` -> `epoch_executions(epoch_iterator, keras_executions)`;
+    - `TFEpochIterator.catch_stop_iteration` -> `input_end_or_raise(error)` for each OutOfRangeError, which Keras
+      takes for the end of the input: the rule returns when it is, and raises its own error otherwise.
     """
     with REGISTRY.lock:
         problem = check_keras_support()
@@ -124,6 +128,7 @@ def install_trainer_seams(rules) -> str | None:
             REGISTRY.patch(trainer, "_maybe_symbolic_build", symbolic_build)
         _patch_on_batch_calls(trainer, rules)
         _patch_epoch_executions(rules)
+        _patch_input_end(rules)
         return None
 
 
@@ -169,6 +174,34 @@ def _patch_epoch_executions(rules) -> None:
         return _enumerate_iterator
 
     REGISTRY.patch(_keras_epoch_iterator_class(), "_enumerate_iterator", executions)
+
+
+def _patch_input_end(rules) -> None:
+    """`TFEpochIterator.catch_stop_iteration` (Keras 3.12 to 3.16.dev) turns every `tf.errors.OutOfRangeError` of a
+    step, or of the wait for the steps after it (`tf_sync`), into the end of the epoch's input; but TensorFlow also
+    returns OutOfRangeError for a compile-cache entry it cannot read ("Read less bytes than requested"), and every
+    epoch then stopped at its first step without a word. Under a tf_nvlink strategy each one goes to
+    `rules.input_end_or_raise(error)` first."""
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator  # noqa: PLC0415
+
+    def checked(keras_catch):
+        @contextlib.contextmanager
+        def catch_stop_iteration(self):
+            if not rules.is_ours(epoch_strategy(self)):
+                with keras_catch(self):
+                    yield
+                return
+            with keras_catch(self):
+                try:
+                    yield
+                    self.tf_sync()  # Keras waits here too, inside its own handler: an error of the wait comes here
+                except tf.errors.OutOfRangeError as error:
+                    rules.input_end_or_raise(error)
+                    raise
+
+        return catch_stop_iteration
+
+    REGISTRY.patch(TFEpochIterator, "catch_stop_iteration", checked)
 
 
 def epoch_strategy(epoch_iterator):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterator
 
-from tf_nvlink.distribute import base
+from tf_nvlink.distribute import base, single_host
 from tf_nvlink.internals import callbacks as callback_seams, trainer as trainer_seams
+from tf_nvlink.plan import compile_cache
 from tf_nvlink.training import thread_state
 
 log = logging.getLogger("tf_nvlink")
@@ -37,6 +38,27 @@ def epoch_executions(epoch_iterator, keras_executions: Callable[[], Iterator]) -
             trainer_seams.uncount_epoch_steps(epoch_iterator, steps - (end - begin + 1))
         with thread_state.setting(steps_asked=end - begin + 1):
             yield begin, end, iterator
+
+
+# What TensorFlow's iterators say at the end of their data (`errors::OutOfRange("End of sequence")` in tf.data's
+# iterator ops, for datasets, generators and distributed iterators alike).
+INPUT_END_MESSAGE = "End of sequence"
+
+
+def input_end_or_raise(error) -> None:
+    """The rule for an OutOfRangeError that Keras would take for the end of an epoch's input: returns when it is the
+    input's end; otherwise raises, so that the epoch never ends as if the data had run out. TensorFlow returns
+    OutOfRangeError for a compile-cache entry it cannot read ("Read less bytes than requested"), and on such an
+    error the step did not run: `compile_cache.CompileCacheError` names the folder, the entries that look damaged
+    and what to do (in tf_nvlink's own writable folder they are deleted, so the next run compiles them again).
+
+    Example:
+        >>> input_end_or_raise(tf.errors.OutOfRangeError(None, None, "End of sequence"))    # the input's end
+    """
+    message = getattr(error, "message", None) or str(error)
+    if INPUT_END_MESSAGE in message:
+        return
+    raise compile_cache.read_failure(single_host.current_compile_cache(), message) from error
 
 
 def steps_asked_for_this_call(default: int) -> int:

@@ -74,7 +74,7 @@ KERAS_RULES = types.SimpleNamespace(
     # internals.trainer
     make_function=make_function, auto_jit_compile=_auto_jit_compile, symbolic_build=input_staging.symbolic_build,
     splits_batches=_splits_batches, split_batch=exact_batches.split_over_replicas,
-    epoch_executions=fit_loop.epoch_executions,
+    epoch_executions=fit_loop.epoch_executions, input_end_or_raise=fit_loop.input_end_or_raise,
     # internals.optimizer
     optimizer_apply=optimizer_rules.optimizer_apply, clip_gradients=optimizer_rules.clip_gradients,
     optimizer_slot=sharded_states.optimizer_slot, optimizer_update=sharded_states.optimizer_update,
