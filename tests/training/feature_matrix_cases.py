@@ -549,11 +549,43 @@ def run_eagerly(where):
     return _summary(model, history, model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True))
 
 
+class _OneHotEmbedding(keras.layers.Embedding):
+    """An Embedding that looks its rows up as a one-hot matmul: its table's gradient is dense, the rows of repeated
+    ids summed, so the optimizer sees the gradient its definition names (as Keras' JAX backend gives Embedding)."""
+
+    def call(self, inputs):
+        return keras.ops.matmul(keras.ops.one_hot(inputs, self.input_dim, dtype=self.embeddings.dtype),
+                                self.embeddings)
+
+
+# Inside an XLA program tf_nvlink makes an Embedding's sparse gradient dense before the update
+# (optimizer_rules.dense_gradients_in_xla): the GPU layouts' update runs there. Every other layout's update runs
+# outside XLA (plain mode; split mode, whose update follows the program; the fused mode emulated without XLA) on
+# the sparse gradient, as Keras' own on one device does.
+_DENSE_EMBEDDING_UPDATE = LAYOUT.startswith("gpu")
+
+
+def embedding_repeated_ids(where):
+    """A next-token model (Embedding, Dense over the vocabulary) on sequences whose ids repeat in every batch, with
+    Adam. Keras' TensorFlow backend squares each lookup's gradient row before it sums the rows of an id, so Adam's
+    second moment differs from its definition's (docs/architecture.md). The one-device run trains the update the
+    layout's paths compute: plain Adam (a one-hot lookup) where the update runs inside XLA, Keras' Embedding
+    elsewhere."""
+    tokens = np.random.default_rng(12).integers(0, 12, (33, 7)).astype("int32")
+    embedding = _OneHotEmbedding if where.one_device and _DENSE_EMBEDDING_UPDATE else keras.layers.Embedding
+    model = where.compile(_model(where, partial(keras.Input, (6,), dtype="int32"), partial(embedding, 12, 4),
+                                 _dense(12)),
+                          optimizer=lambda: keras.optimizers.Adam(0.01),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(tokens[:, :-1], tokens[:, 1:], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return _summary(model, history)
+
+
 ROWS = {row.__name__: row for row in (
     bn_unknown_length, class_weight_numpy, class_weight_dataset, sample_weight_dataset, validation_callbacks,
     validation_freq, multi_output_dict, unbuilt_reshuffle, generator_passes, python_generator, pydataset_shuffle,
     numpy_shuffle, on_batch_calls, input_error, batchnorm_synchronized, mixed_precision, batch_logs, fit_arguments,
-    optimizer_options, custom_train_step, run_eagerly)}
+    optimizer_options, custom_train_step, run_eagerly, embedding_repeated_ids)}
 
 
 def run(selected):

@@ -100,7 +100,9 @@ def dense_gradients_in_xla(grads):
 
     An all-reduce of IndexedSlices is an all-gather (CollectiveGatherV2), which XLA cannot compile: on 1x H200 a
     Transformer LM's jit-compiled fit under a one-GPU tf_nvlink strategy failed with "No registered
-    'CollectiveGatherV2' OpKernel for XLA_GPU_JIT". A dense all-reduce is what XLA compiles (and combines).
+    'CollectiveGatherV2' OpKernel for XLA_GPU_JIT". A dense all-reduce is what XLA compiles (and combines). The
+    update from a dense gradient is also the optimizer's definition where ids repeat: Keras' TensorFlow backend
+    squares each row of a sparse one before it sums an id's rows (Adam and its kin; docs/architecture.md).
 
     Example:
         >>> grads = dense_gradients_in_xla(tape.gradient(loss, variables))
