@@ -20,6 +20,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tf_nvlink  # noqa: E402 - before app.run: it sets up the compile cache before TensorFlow lists its devices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("devices", "gpu", '"gpu" (every GPU), "gpu:N" (the first N), "cpu:N" (N logical CPUs), or '
@@ -39,8 +40,6 @@ def _strategy(devices: str, mode: str):
         raise app.UsageError("--mode fused needs GPU replicas (TensorFlow all-reduces inside XLA only there); "
                              "use --mode split or plain with --devices cpu:N")
     import tensorflow as tf  # noqa: PLC0415
-
-    import tf_nvlink  # noqa: PLC0415
 
     xla_allreduce = "split" if mode == "plain" else mode
     if devices == "tf_config":

@@ -229,8 +229,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     model_dir, global_batch = _MODEL_DIR.value or DEFAULT_MODEL_DIR, _BATCH_SIZE.value
-    # The strategy before TensorFlow is imported: under absl's app.run importing TensorFlow lists its devices, and
-    # the compile cache's TF_XLA_FLAGS must be set before that (docs/compile_cache.md).
     strategy = make_strategy(_GPUS.value, _CROSS_DEVICE_OPS.value, _NUM_PACKS.value)
     import_tensorflow()
     backup = check_model_dir(model_dir)

@@ -70,6 +70,9 @@ _PEER_TIMEOUT = flags.DEFINE_float(
     "peer_timeout", rendezvous.DEFAULT_PEER_TIMEOUT_S,
     "Seconds to wait for every other worker in TF_CONFIG to accept connections before giving up.", lower_bound=0.1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weight initialisation and shuffling (the same on every worker).")
+_JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile", False, "Compile the train step with XLA (Keras compile(jit_compile=...)); its programs are kept "
+    "in the compile cache, so a rerun of the same command reads them instead of compiling.")
 
 
 def make_strategy(peer_timeout_s):
@@ -158,7 +161,7 @@ def main(argv):
 
     train, test = make_datasets(data, global_batch, seed=_SEED.value)
     with strategy.scope():
-        model = bench_models.compiled_mnist_mlp()
+        model = bench_models.compiled_mnist_mlp(jit_compile=_JIT_COMPILE.value)
     chief = strategy.extended.should_checkpoint
     resume = safe_callbacks.AtomicBackupAndRestore(backup_dir, write=chief)  # the chief writes, everyone restores
     history = model.fit(train, epochs=_EPOCHS.value, steps_per_epoch=steps, shuffle=False,

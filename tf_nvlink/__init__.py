@@ -12,6 +12,7 @@ so `tf-nvlink report --no-tf` answers instantly.
 
 import sys  # noqa: E402
 from tf_nvlink.util.version import __version__  # noqa: E402
+from tf_nvlink.util import absl_start as _absl_start  # noqa: E402
 from tf_nvlink.machine import nvml as _nvml  # light: NVML is loaded when probe() runs  # noqa: E402
 
 __all__ = ["strategy", "current_plan", "probe", "NVLinkMonitor", "StepDoctor", "sync_non_trainable",
@@ -29,7 +30,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs=None, **kwargs):
     """
     # The compile cache's TF_XLA_FLAGS before TensorFlow is imported: under absl's app.run importing TensorFlow
     # lists its devices, and TensorFlow reads TF_XLA_FLAGS then. Once TensorFlow is imported, the strategy sets
-    # them, or says that TensorFlow has read them already.
+    # them, points the link _link_compile_cache named in them at its folder, or says that TensorFlow has read
+    # them already.
     from tf_nvlink.plan import compile_cache  # noqa: PLC0415
 
     if "tensorflow" not in sys.modules:
@@ -153,3 +155,22 @@ def __getattr__(name):
 
         return compile_cache.CompileCacheError
     raise AttributeError(f"module 'tf_nvlink' has no attribute {name!r}")
+
+
+def _link_compile_cache() -> None:
+    """Run when absl's `app.run` starts: TensorFlow's init callback lists its devices before `main` builds the
+    strategy, and TensorFlow reads `TF_XLA_FLAGS` then, once. This names the process's compile-cache link in them
+    (`plan.compile_cache_link`); the strategy points it at its context folder (docs/compile_cache.md)."""
+    if "tensorflow" in sys.modules:
+        from tf_nvlink.internals import tf_runtime
+
+        if tf_runtime.tensorflow_devices_listed():
+            return  # TensorFlow has read TF_XLA_FLAGS: the strategy says so
+    from tf_nvlink.plan import compile_cache_link
+
+    compile_cache_link.make_link()
+
+
+# `import tf_nvlink` at a script's top comes before its `app.run(main)`; absl's app is imported by then when the
+# script (or TensorFlow, which imports it) imported it first, as sorted imports do.
+_absl_start.before_app_run(_link_compile_cache)

@@ -295,3 +295,12 @@ def test_a_read_failure_names_the_entry_and_what_to_do(tmp_path):
     assert type(elsewhere) is RuntimeError and "does not point at it" in str(elsewhere)
     off = cc.read_failure(cc.CacheState("off", None), message)
     assert type(off) is RuntimeError and "is off in this process" in str(off)
+
+
+def test_the_cause_of_a_tensorflow_error_is_its_root_line():
+    assert cc.tensorflow_cause("Graph execution error:\n\n2 root error(s) found.\n  (0) OUT_OF_RANGE:  Read less "
+                               "bytes than requested\n\t [[{{node a}}]]\n  (1) CANCELLED: x") == \
+        "Read less bytes than requested"
+    assert cc.tensorflow_cause("Graph execution error:\n\nDetected at node a defined at (most recent call last):\n"
+                               "<stack traces unavailable>\nStopIteration\n\t [[{{node a}}]] [Op:f]") == "StopIteration"
+    assert cc.tensorflow_cause("End of sequence") == "End of sequence" and cc.tensorflow_cause("") == ""

@@ -3,12 +3,14 @@ processes writing at once leave entries a third reads; a corrupt entry is droppe
 again; a changed XLA flag misses (another context folder); an unwritable folder gives one warning naming it and
 training goes on. The folder's path holds a space (quoted in TF_XLA_FLAGS). Each process trains a tiny
 jit-compiled model over logical CPU replicas (2 unless asked; split mode: one XLA program per replica) and prints
-one JSON line: the cache folder, its entries (name, mtime) and the log lines."""
+one JSON line: the cache folder, its entries (name, mtime) and the log lines. Last, an absl example run twice: its
+second run reads every program back."""
 
 import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -17,6 +19,7 @@ import types
 import pytest
 
 import scenarios
+from conftest import ROOT
 from tf_nvlink.plan import compile_cache
 
 WORKER = r"""
@@ -292,3 +295,40 @@ def test_a_damaged_entry_tensorflow_reads_stops_training_with_an_error_naming_it
     assert run["iterations"] < 4  # the first epoch's steps: it did not go on
     assert len(warnings(run, "TensorFlow read TF_XLA_FLAGS before tf_nvlink.strategy()", names[0])) == 1
     assert _contents(users) == before
+
+
+MULTI_WORKER = str(ROOT / "examples" / "multi_worker.py")
+
+
+def run_absl_example(tmp_path, run):
+    """examples/multi_worker.py --jit_compile (one step, then the test set), as `python examples/multi_worker.py`
+    runs it: TensorFlow imported at its top (preloaded here, its absl init callback, which lists the devices, still
+    to run), the strategy built in main, app.run(main). Its temporary folders go under tmp_path/tmp: a preloaded
+    process ends without running atexit. Returns (its log, {entry path: mtime} of the cache)."""
+    code = (f"import runpy, sys, tempfile\ntempfile.tempdir = None\nsys.argv[0] = {MULTI_WORKER!r}\n"
+            f"runpy.run_path({MULTI_WORKER!r}, run_name='__main__')\n")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = dict(TF_NVLINK_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"), TF_XLA_FLAGS="",
+               CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    argv = ["--jit_compile", "--epochs", "1", "--steps_per_epoch", "1", "--dataset", "digits",
+            "--model_dir", str(tmp_path / f"model{run}")]
+    done = scenarios.run_preloaded(code, env=env, timeout=300, argv=argv)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stderr, {entry.path: entry.mtime for entry in compile_cache.entries(str(tmp_path / "cache" / "xla"))}
+
+
+def test_an_absl_example_reads_its_programs_back_on_its_second_run(tmp_path):
+    cold_log, stored = run_absl_example(tmp_path, 1)
+    assert "compile cache not used" not in cold_log and "harmless" not in cold_log, cold_log[-3000:]
+    assert re.search(r"first train execution of model 'mnist_mlp' took [\d.]+ s: 1 program compiled and stored",
+                     cold_log), cold_log[-3000:]
+    (link,) = (tmp_path / "tmp").glob("tf_nvlink-xla-*/cache")  # the link TensorFlow read, at the context folder
+    assert os.path.realpath(link) == os.path.dirname(next(iter(stored)))
+
+    warm_log, reread = run_absl_example(tmp_path, 2)
+    assert reread == stored  # nothing compiled, nothing rewritten
+    read_lines = re.findall(r"first (?:train|test) execution of model 'mnist_mlp' took [\d.]+ s: programs read "
+                            r"from the compile cache .*harmless", warm_log)
+    assert len(read_lines) == 2, warm_log[-3000:]
+    # the ERROR line the warm start's log line explains (TensorFlow reads an entry as text before binary)
+    assert "Error parsing text-format tensorflow.XlaSerializedCacheEntry" in warm_log

@@ -28,6 +28,7 @@ from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.plan import compile_cache as compile_cache_lib
+from tf_nvlink.plan import compile_cache_link
 from tf_nvlink.plan import optimizer_sharding, policy, step_options
 
 log = logging.getLogger("tf_nvlink")
@@ -89,14 +90,20 @@ def prepare_compile_cache(compile_cache="auto", request: str = "", topology: Opt
     `request` is `compile_cache.request_text` of the strategy's arguments). `strategy()` calls it before TensorFlow
     lists its devices (TensorFlow reads `TF_XLA_FLAGS` then, once); a program that must touch TensorFlow's devices
     first (tests splitting the CPU into logical devices) calls `compile_cache.prepare_process` itself before that,
-    with the same arguments. When TensorFlow has listed its devices already, the answer says which folder it
-    read (or that it read none) instead."""
+    with the same arguments. When TensorFlow has listed its devices already and read the link absl's `app.run`
+    start named (`plan.compile_cache_link`), the link is pointed at this context's folder; when it read anything
+    else, the answer says which folder it read (or that it read none) instead."""
     before = os.environ.get("TF_XLA_FLAGS", "")
     listed = tf_runtime.tensorflow_devices_listed()
     state = compile_cache_lib.prepare_process(compile_cache, request, topology, max_bytes=max_bytes,
                                               tensorflow_started=listed)
     read = compile_cache_lib.flag_value(before, compile_cache_lib.FLAG_DIR)
-    if listed and read != state.folder:
+    if listed and read is not None and read == compile_cache_link.current_link():
+        # TensorFlow read the link absl's app.run start named (plan/compile_cache_link.py): it follows the link
+        # at each entry it reads or writes, so pointing it at this strategy's folder (a read-only one's private
+        # folder of links included) is enough.
+        compile_cache_link.point_link(state.folder if state.active and not state.users else None)
+    elif listed and read != state.folder:
         # TensorFlow read TF_XLA_FLAGS before this call: its programs go where `before` said, if anywhere.
         state = compile_cache_lib.what_tensorflow_read(state, read)
         compile_cache_lib.warn_once(state.note)

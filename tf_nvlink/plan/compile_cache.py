@@ -649,8 +649,10 @@ def what_tensorflow_read(state: CacheState, read: Optional[str]) -> CacheState:
     if read is None:
         return dataclasses.replace(state, folder=None, source=None, note=(
             f"compile cache not used in this process: TensorFlow listed its devices before tf_nvlink.strategy() "
-            f"set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): build the strategy before "
-            f"importing TensorFlow, or export TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'"))
+            f"set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): import tf_nvlink at the top of "
+            f"the script, after absl's app (`from absl import app`) and before app.run(main) starts; or build the "
+            f"strategy before TensorFlow lists its devices; or export "
+            f"TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'"))
     made = _READ_THROUGH.get(read)
     if made is not None:  # an earlier `prepare` of this process made that reading folder
         return made
@@ -695,6 +697,21 @@ def recheck(state: Optional[CacheState]) -> list[tuple[str, str, str]]:
     return done
 
 
+def tensorflow_cause(message: str) -> str:
+    """The line of a TensorFlow error's text that says what failed: after "OUT_OF_RANGE:" when it names its root
+    errors, else the line before the first `[[node ...]]`, else its first line.
+
+    Example:
+        >>> tensorflow_cause("Graph execution error:\n\n  (0) OUT_OF_RANGE:  Read less bytes than requested\n")
+        'Read less bytes than requested'
+    """
+    message = message or ""
+    cause = re.search(r"OUT_OF_RANGE:[ \t]*(\S[^\n]*)", message) or re.search(r"([^\n]*\S[^\n]*)\n\s*\[\[", message)
+    if cause:
+        return cause.group(1).strip()
+    return next((line.strip() for line in message.splitlines() if line.strip()), "")
+
+
 def read_failure(state: Optional[CacheState], tensorflow_message: str) -> RuntimeError:
     """The error for a step that failed with an OutOfRangeError not from its input (`tensorflow_message`: its
     text): with the cache on, a `CompileCacheError` naming the folder, the entries that look damaged now and what
@@ -704,9 +721,7 @@ def read_failure(state: Optional[CacheState], tensorflow_message: str) -> Runtim
     Example:
         >>> raise read_failure(state, "Read less bytes than requested") from error
     """
-    cause = re.search(r"OUT_OF_RANGE:\s*(.+)", tensorflow_message or "")
-    first_line = cause.group(1).strip() if cause else next(
-        (line.strip() for line in (tensorflow_message or "").splitlines() if line.strip()), "")
+    first_line = tensorflow_cause(tensorflow_message)
     where = state.entries_folder if state is not None and state.active else None
     found = bad_entries(where) if where else []
     text = (f"tf_nvlink: a step failed with an OutOfRangeError that did not come from the input (TensorFlow: "

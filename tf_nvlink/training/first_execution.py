@@ -5,9 +5,10 @@ A fresh process's first `fit` on a GPU waits tens of seconds before the first st
 prints meanwhile. `reported(...)` wraps that first execution: one INFO line when it starts (the model, the
 function, the replicas, the path), raised to a WARNING (so that it shows without logging configured) when it
 is still running after `LOUD_AFTER_S`; one line when it ends: how long it took, and whether the programs were
-compiled (new entries in the cache folder) or read from the cache (no new entry, entries there). Another
-process writing the same cache folder at the same moment adds its entries too: the line says what the folder
-shows.
+compiled (new entries in the cache folder) or read from the cache (no new entry, entries there; then also that
+the `Error parsing text-format tensorflow.XlaSerializedCacheEntry` line TensorFlow logs for each entry it reads is
+harmless). Another process writing the same cache folder at the same moment adds its entries too: the line says
+what the folder shows.
 
 Example (what `compiled_execution` and `step_assembly` do):
     >>> announce = FirstExecution(model, "train", "compiled execution, 8 steps per program")
@@ -29,6 +30,12 @@ from tf_nvlink.plan import compile_cache
 
 log = logging.getLogger("tf_nvlink")
 LOUD_AFTER_S = 5.0
+# TensorFlow reads an entry with ReadTextOrBinaryProto (xla/tsl/platform/env.cc): as a text proto first, which fails
+# on the binary file and logs one ERROR line through protobuf's text_format.cc, then as binary, which loads it. No
+# flag, file name or entry format of TensorFlow 2.21 skips the text attempt.
+TEXT_FIRST_NOTE = ("; the ERROR line `text_format.cc] Error parsing text-format tensorflow.XlaSerializedCacheEntry` "
+                   "TensorFlow logs for each entry it reads is it trying the entry as text before reading it as "
+                   "binary: harmless")
 
 
 class FirstExecution:
@@ -77,8 +84,10 @@ class FirstExecution:
                 log.log(level, "tf_nvlink: first %s execution of model %r failed after %.1f s", self.kind,
                         self.model.name, seconds)
             else:
-                log.log(level, "tf_nvlink: first %s execution of model %r took %.1f s: %s", self.kind,
-                        self.model.name, seconds, verdict(state, before, _entry_names(folder)))
+                after = _entry_names(folder)
+                log.log(level, "tf_nvlink: first %s execution of model %r took %.1f s: %s%s", self.kind,
+                        self.model.name, seconds, verdict(state, before, after),
+                        TEXT_FIRST_NOTE if folder is not None and before and not after - before else "")
 
 
 def verdict(state: Optional[compile_cache.CacheState], before: set, after: set) -> str:
