@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tf_nvlink"
 INTERNALS = PACKAGE / "internals"
-PRIVATE_MODULES = re.compile(r"\b(keras\.src|tensorflow\.python|tensorflow\.tsl)\b")
+PRIVATE_MODULES = re.compile(r"\b(keras\.src|tensorflow\.python|tensorflow\.tsl|tensorflow\.compiler)\b")
 # Private names of the standard library that tf_nvlink may use (NamedTuple's documented API).
 STANDARD_PRIVATE = {"_asdict", "_replace", "_fields", "_make"}
 

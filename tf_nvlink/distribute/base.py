@@ -23,6 +23,7 @@ class TfNvlinkStrategyMixin:
     _tf_nvlink_plan = None
     _tf_nvlink_runner: Optional[Callable] = None
     _tf_nvlink_optimizer_states = "replicated"
+    _tf_nvlink_fused_attention = "auto"
 
     @property
     def plan(self):
@@ -34,6 +35,12 @@ class TfNvlinkStrategyMixin:
         """"replicated" (every replica holds every optimizer state) or "sharded" (each holds its share;
         `tf_nvlink.training.sharded_states` says how)."""
         return self._tf_nvlink_optimizer_states
+
+    @property
+    def fused_attention(self) -> str:
+        """"auto" (Keras' attention runs as cuDNN's fused attention where it applies) or "off"
+        (`tf_nvlink.training.fused_attention` says where)."""
+        return self._tf_nvlink_fused_attention
 
     @property
     def xla_allreduce(self) -> str:
@@ -82,6 +89,27 @@ def attach_optimizer_states(strategy, optimizer_states: str) -> None:
         'sharded'
     """
     _checked(strategy, "attach_optimizer_states")._tf_nvlink_optimizer_states = optimizer_states
+
+
+def attach_fused_attention(strategy, fused_attention: str) -> None:
+    """Record whether a tf_nvlink strategy runs Keras' attention as cuDNN's fused attention where it applies
+    ("auto") or keeps Keras' own ("off"); its builder does this, and the setting is read when a step is traced.
+
+    Example:
+        >>> attach_fused_attention(built, "off"); fused_attention_of(built)
+        'off'
+    """
+    _checked(strategy, "attach_fused_attention")._tf_nvlink_fused_attention = fused_attention
+
+
+def fused_attention_of(strategy) -> str:
+    """"auto" or "off" for a tf_nvlink strategy (`attach_fused_attention`); "off" for any other.
+
+    Example:
+        >>> fused_attention_of(tf.distribute.get_strategy())
+        'off'
+    """
+    return strategy.fused_attention if is_tf_nvlink_strategy(strategy) else "off"
 
 
 def shards_optimizer_states(strategy) -> bool:

@@ -27,6 +27,7 @@ from tf_nvlink.machine import nvml
 from tf_nvlink.machine import tf_devices as devices_lib
 from tf_nvlink.machine.topology import Topology
 from tf_nvlink.internals import tf_runtime
+from tf_nvlink.plan import attention as attention_plan
 from tf_nvlink.plan import compile_cache as compile_cache_lib
 from tf_nvlink.plan import compile_cache_link
 from tf_nvlink.plan import optimizer_sharding, policy, step_options
@@ -124,7 +125,8 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              peer_timeout_s: Optional[float] = None, xla_flags="auto", allreduce_dtype: str = "float32",
              input_buffer: Optional[int] = None, compiled_execution: bool = True,
              autotune_choice: Optional[facts_lib.AutotuneChoice] = None,
-             compile_cache="auto", optimizer_states: str = "replicated") -> tf.distribute.MirroredStrategy:
+             compile_cache="auto", optimizer_states: str = "replicated",
+             fused_attention: str = "auto") -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -174,6 +176,11 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             replica holds and updates the states of its share of the variables, whole variables balanced by size,
             and sends the updated weights to the others; one replica: the replicated path). Single host only.
             docs/sharded_optimizer_states.md.
+        fused_attention: "auto" (default): Keras' attention (`MultiHeadAttention`, `keras.ops.dot_product_attention`)
+            runs as cuDNN's flash attention, one fused kernel forward and one backward, where it applies: inside a
+            replica's XLA program (jit_compile=True) on NVIDIA GPUs of compute capability 8.0+, bfloat16 or
+            float16, head size a multiple of 8 up to 128, no mask or a causal one, no bias, dropout or returned
+            scores; elsewhere Keras' attention runs and one INFO line says why. "off": Keras' attention everywhere.
 
     This builds the strategy only; `tf_nvlink.strategy()` also installs the training hooks (per-replica XLA,
     BatchNorm statistics in sync), and is what programs call.
@@ -195,13 +202,14 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
                          f"it: {[name for name in policy.OPS_CHOICES if name != 'autotune']}")
     cache_setting = compile_cache_lib.validate_setting(compile_cache)
     optimizer_states = optimizer_sharding.validate_optimizer_states(optimizer_states)
+    fused_attention = attention_plan.validate_fused_attention(fused_attention)
     if optimizer_states != "replicated" and (
             cluster_resolver is not None or cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG")) is not None):
         raise ValueError("optimizer_states='sharded' is built and tested on a single host only; with several workers "
                          "(TF_CONFIG or cluster_resolver) leave optimizer_states='replicated'. Valid choices there: "
                          f"['replicated']. Received: optimizer_states={optimizer_states!r}")
     key = _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options) + (
-        None if cluster_resolver is None else id(cluster_resolver), cache_setting, optimizer_states)
+        None if cluster_resolver is None else id(cluster_resolver), cache_setting, optimizer_states, fused_attention)
     with _LOCK:
         if _CURRENT:
             return _the_strategy_already_built(key)
@@ -219,6 +227,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             built, plan = _build(gpus, cross_device_ops, num_packs, devices, topology, xla_allreduce, asked_options,
                                  autotune_choice)
         base.attach_optimizer_states(built, optimizer_states)
+        base.attach_fused_attention(built, fused_attention)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
     if optimizer_states == "sharded":

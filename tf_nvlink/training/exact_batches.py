@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -31,8 +31,9 @@ from tf_nvlink.distribute import base
 from tf_nvlink.internals import tf_runtime
 from tf_nvlink.training import thread_state
 
-__all__ = ["average_loss", "examples_in", "loss_share_while_tracing", "open_batch_dimension", "replica_share",
-           "replica_shares", "split_over_replicas", "weighted_by_examples", "with_metrics_across_replicas"]
+__all__ = ["average_loss", "batch_opened", "examples_in", "loss_share_while_tracing", "open_batch_dimension",
+           "replica_share", "replica_shares", "split_over_replicas", "static_batch_size", "weighted_by_examples",
+           "with_metrics_across_replicas"]
 
 log = logging.getLogger("tf_nvlink")
 
@@ -137,6 +138,31 @@ def open_batch_dimension(data):
     return tf.nest.map_structure(open_leaf, data)
 
 
+def static_batch_size(data) -> Optional[int]:
+    """The batch size of a replica's batch `data` as its trace knows it before `open_batch_dimension`: the leading
+    dimension its dense tensors share, or None (unknown, or not one size).
+
+    Example:
+        >>> static_batch_size((tf.zeros([8, 512]), tf.zeros([8, 512])))
+        8
+    """
+    sizes = {leaf.shape[0] for leaf in tf.nest.flatten(data) if isinstance(leaf, tf.Tensor) and leaf.shape.rank}
+    return next(iter(sizes)) if len(sizes) == 1 and None not in sizes else None
+
+
+@contextlib.contextmanager
+def batch_opened(data):
+    """`open_batch_dimension(data)` for the step traced in the block, the batch size it hides kept in the thread
+    state (`static_batch`) for the rules that need it (fused attention).
+
+    Example:
+        >>> with batch_opened(data) as opened:
+        ...     logs = model.train_step(opened)
+    """
+    with thread_state.setting(static_batch=static_batch_size(data)):
+        yield open_batch_dimension(data)
+
+
 def replica_share(examples) -> tf.Tensor:
     """In a replica context: this replica's `examples` (a count, or a sum of sample weights) over all replicas'
     (float32; 0.0 when the step has none).
@@ -182,8 +208,7 @@ def weighted_by_examples(step_function: Callable) -> Callable:
     """
 
     def step(data):
-        data = open_batch_dimension(data)
-        with loss_share_while_tracing(*replica_shares(data)):
+        with batch_opened(data) as data, loss_share_while_tracing(*replica_shares(data)):
             return step_function(data)
 
     return step

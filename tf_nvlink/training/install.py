@@ -48,9 +48,10 @@ import types
 import tensorflow as tf
 
 from tf_nvlink.distribute import base
-from tf_nvlink.internals import callbacks, layers, losses, optimizer, trainer
+from tf_nvlink.internals import attention, callbacks, layers, losses, optimizer, trainer
 from tf_nvlink.internals.registry import REGISTRY
-from tf_nvlink.training import exact_batches, fit_loop, gradient_allreduce, input_staging, optimizer_rules, sharded_states
+from tf_nvlink.training import (exact_batches, fit_loop, fused_attention, gradient_allreduce, input_staging,
+                                optimizer_rules, sharded_states)
 from tf_nvlink.training.step_assembly import PerReplicaRunner, make_function
 
 log = logging.getLogger("tf_nvlink")
@@ -86,6 +87,8 @@ KERAS_RULES = types.SimpleNamespace(
     batch_norm_moments=exact_batches.batch_norm_moments,
     # internals.callbacks
     batch_end_dispatch=fit_loop.batch_end_dispatch,
+    # internals.attention
+    dot_product_attention=fused_attention.dot_product_attention,
 )
 
 
@@ -135,6 +138,7 @@ def install_keras_seams(rules=KERAS_RULES) -> str | None:
         losses.install_loss_seams(rules)
         layers.install_batch_norm_seam(rules)
         callbacks.install_batch_end_dispatch_seam(rules)
+        attention.install_attention_seam(rules)
         return None
 
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tf_nvlink.internals import optimizer as optimizer_seams
 from tf_nvlink.internals.registry import UnsupportedKerasError
-from tf_nvlink.training.exact_batches import (loss_share_while_tracing, open_batch_dimension, replica_shares,
+from tf_nvlink.training.exact_batches import (batch_opened, loss_share_while_tracing, replica_shares,
                                               weighted_by_examples)
 from tf_nvlink.training.execution_mode import all_reduces_in_program
 from tf_nvlink.training.optimizer_rules import (OptimizerNotBuiltWhileTracing, build_optimizer, optimizer_calls,
@@ -76,7 +76,8 @@ class PerReplicaXlaStep:
         model = self.model
 
         def checked(data, *args):
-            result = body(open_batch_dimension(data), *args)
+            with batch_opened(data) as opened:
+                result = body(opened, *args)
             refuse_metrics_outside_scope(model)  # built by now: the step's first trace creates them
             return result
 

@@ -48,6 +48,9 @@ class ThreadState:
     written: Optional[dict] = None
     # fit_loop: the steps the epoch asks of the train/test function called now in this (the training) thread.
     steps_asked: Optional[int] = None
+    # exact_batches.batch_opened: the batch size of the replica step traced now, which `open_batch_dimension`
+    # hides from the trace (fused_attention needs it: XLA's custom calls take fully known shapes).
+    static_batch: Optional[int] = None
 
 
 _THREAD = threading.local()

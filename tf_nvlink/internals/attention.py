@@ -1,0 +1,57 @@
+"""Seams of attention: Keras' TensorFlow `dot_product_attention` (what `keras.ops.dot_product_attention` and
+`MultiHeadAttention` call), and TensorFlow's op for an XLA custom call with several results.
+
+Checked against Keras 3.12 to 3.15.1 and keras-nightly 3.16.0.dev2026102704 (`keras.src.backend.tensorflow.nn`,
+whose `dot_product_attention` `keras.src.ops.nn` looks up at each call), TensorFlow 2.21
+(`tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_custom_call_v2`: `tf.raw_ops` does not export XlaCustomCallV2,
+and the older XlaCustomCall aborts the process on a call with several results). Pinned in
+tests/internals/test_attention_seams.py.
+
+Example:
+    >>> from tf_nvlink.internals import attention
+    >>> attention.install_attention_seam(rules)   # rules.dot_product_attention(keras_attention, arguments)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from tf_nvlink.internals.registry import REGISTRY
+
+
+def install_attention_seam(rules) -> None:
+    """Patch Keras' TensorFlow `dot_product_attention` once -> `rules.dot_product_attention(keras_attention,
+    arguments)`, where `arguments` is the call's arguments by name (query, key, value, bias, mask, scale, is_causal,
+    flash_attention, and attn_logits_soft_cap where this Keras has it) and `keras_attention(**arguments)` is Keras'
+    own. `keras.src.ops.nn.dot_product_attention` calls `backend.nn.dot_product_attention` by attribute, so the
+    patch reaches `MultiHeadAttention` and `keras.ops` alike."""
+    from keras.src.backend.tensorflow import nn as tensorflow_nn  # noqa: PLC0415
+
+    def patch(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def dot_product_attention(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return rules.dot_product_attention(original, dict(bound.arguments))
+
+        return dot_product_attention
+
+    REGISTRY.patch(tensorflow_nn, "dot_product_attention", patch)
+
+
+def xla_custom_call(operands, target: str, backend_config: str, result_dtypes, result_shapes) -> list:
+    """The results of an XLA custom call to `target` on `operands` (TensorFlow's XlaCustomCallV2 op; only inside
+    an XLA program): operands and results in the default (row-major) layout, `result_shapes` fully known.
+
+    Example:
+        >>> out, stats, workspace = xla_custom_call([q, k, v], "__cudnn$fmhaSoftmax", config,
+        ...                                         [tf.bfloat16, tf.float32, tf.uint8], [[8, 16, 512, 64], [8, 16, 512], [0]])
+    """
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # noqa: PLC0415
+
+    return list(gen_xla_ops.xla_custom_call_v2(operands, call_target_name=target, backend_config=backend_config,
+                                               has_side_effect=False, result_dtypes=list(result_dtypes),
+                                               result_shapes=[list(shape) for shape in result_shapes]))
