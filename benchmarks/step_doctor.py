@@ -100,7 +100,7 @@ def bench_model(name: str, strategy, batch: int, torch_peer: bool) -> dict:
     from tf_nvlink.tools.doctor import bench
 
     steps, rounds = _STEPS.value, _ROUNDS.value
-    peer = TorchPeer(batch, steps, _WARMUP.value) if torch_peer else None  # first: it compiles while TF does
+    peer = TorchPeer("resnet50", batch, steps, _WARMUP.value) if torch_peer else None  # first: it compiles while TF does
     model_a, dataset, global_batch = bench.build(name, strategy, batch, steps_per_execution=1)
     timed_fit(model_a, dataset, _WARMUP.value)  # compiles
     if peer:
