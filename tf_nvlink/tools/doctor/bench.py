@@ -84,14 +84,16 @@ def steps_covering_the_window(warmup_steps: int, window_steps: int, steps_per_ex
 
 
 def doctor_fit(model: Any, dataset: Any, global_batch: int, output_dir: str, warmup_steps: int = 20,
-               window_steps: int = 10, verbose: bool = True, log_dir: Optional[str] = None, chart: bool = True):
-    """One `fit` of warmup + window + 2 steps with a StepDoctor (into the TensorBoard `log_dir` when given);
-    returns the doctor (its `report`)."""
+               window_steps: int = 10, verbose: bool = True, log_dir: Optional[str] = None, chart: bool = True,
+               model_flops_per_step: Optional[float] = None):
+    """One `fit` of warmup + window + 2 steps with a StepDoctor (into the TensorBoard `log_dir` when given; with the
+    model's FLOPs per step, its MFU); returns the doctor (its `report`)."""
     from tf_nvlink.tools.doctor.callback import StepDoctor  # noqa: PLC0415
 
     os.makedirs(output_dir, exist_ok=True)
     doctor = StepDoctor(warmup_steps=warmup_steps, window_steps=window_steps, output_dir=output_dir,
-                        global_batch=global_batch, verbose=verbose, log_dir=log_dir, chart=chart)
+                        global_batch=global_batch, verbose=verbose, log_dir=log_dir, chart=chart,
+                        model_flops_per_step=model_flops_per_step)
     steps = steps_covering_the_window(warmup_steps, window_steps, getattr(model, "steps_per_execution", 1))
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=[doctor])
     return doctor
