@@ -1,16 +1,18 @@
 """The PyTorch peers of the one-GPU benchmarks, trained the way PyTorch users train them fast, each in a child
 process with its own CUDA context and no TensorFlow:
 
-- resnet50: torchvision's ResNet-50, bf16 autocast, channels_last, `torch.compile` with default options, SGD momentum,
-  a pinned uint8 host batch copied to the GPU and scaled every step;
+- resnet50: torchvision's ResNet-50, bf16 autocast, channels_last, `torch.compile` with default options, a pinned uint8
+  host batch copied to the GPU and scaled every step;
 - a Transformer of `tf_nvlink.tools.bench_models.TRANSFORMER_CONFIGS` ("transformer": 8 x 512 tokens,
   "transformer_2048": 2 x 2048): the architecture of `bench_models.transformer_lm` (token and learned position
   embeddings, pre-LayerNorm blocks of causal multi-head attention and an exact-GELU feed-forward, LayerNorm eps
   1e-5, biases on every projection, a final LayerNorm, untied logits cast to float32 for the cross-entropy),
   q, k and v as one Linear of 3 x d_model outputs (the weights and FLOPs of Keras' three projections),
   `F.scaled_dot_product_attention(is_causal=True)`, bf16 autocast, `torch.compile` with default options over the
-  model and its loss, the optimizer of `bench_models.BENCH_OPTIMIZERS` the TensorFlow side compiles with (AdamW
-  fused), fed from 8 distinct pinned int64 host batches, one copied to the GPU every step.
+  model and its loss, fed from 8 distinct pinned int64 host batches, one copied to the GPU every step.
+
+Both train with the optimizer of `bench_models.BENCH_OPTIMIZERS` the TensorFlow side compiles with: SGD with momentum,
+or AdamW (fused on the GPU) with the same learning rate, betas, epsilon and weight decay.
 
     peer = TorchPeer("transformer", batch=8, steps=96, warmup_steps=15, optimizer="adamw")   # compiles while the
     peer.wait_until_ready()                                                                # TensorFlow side does
@@ -38,17 +40,26 @@ PEER_MODELS = ("resnet50",) + tuple(bench_models.TRANSFORMER_CONFIGS)
 DISTINCT_BATCHES = 8  # the Transformer peer's host batches, one copied each step
 
 
+def torch_optimizer(name: str, parameters, device):
+    """The torch optimizer of `bench_models.BENCH_OPTIMIZERS[name]`: SGD with momentum, or AdamW (fused on a GPU)."""
+    import torch
+
+    settings = bench_models.BENCH_OPTIMIZERS[name]
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=settings["learning_rate"], eps=settings["epsilon"],
+                                 betas=(settings["beta_1"], settings["beta_2"]),
+                                 weight_decay=settings["weight_decay"], fused=device.type == "cuda")
+    return torch.optim.SGD(parameters, lr=settings["learning_rate"], momentum=settings["momentum"])
+
+
 def resnet50_step(batch: int, optimizer_name: str, device):
     """One ResNet-50 training step as a function of no arguments."""
     import numpy as np
     import torch
     import torchvision
 
-    if optimizer_name != "sgd":
-        raise ValueError(f"the ResNet-50 peer trains with 'sgd' only. Received: optimizer={optimizer_name!r}")
     model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=bench_models.BENCH_OPTIMIZERS["sgd"]["learning_rate"],
-                                momentum=bench_models.BENCH_OPTIMIZERS["sgd"]["momentum"])
+    optimizer = torch_optimizer(optimizer_name, model.parameters(), device)
     compiled = torch.compile(model)
     rng = np.random.default_rng(0)
     host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8))
@@ -120,14 +131,7 @@ def transformer_step(name: str, batch: int, optimizer_name: str, device):
     import torch
 
     model = transformer_lm(**bench_models.TRANSFORMER_CONFIGS[name]).to(device)
-    settings = bench_models.BENCH_OPTIMIZERS[optimizer_name]
-    fused = {"fused": True} if device.type == "cuda" else {}
-    if optimizer_name == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
-                                      betas=(settings["beta_1"], settings["beta_2"]), eps=settings["epsilon"],
-                                      weight_decay=settings["weight_decay"], **fused)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=settings["learning_rate"], momentum=settings["momentum"])
+    optimizer = torch_optimizer(optimizer_name, model.parameters(), device)
     compiled = torch.compile(model)
     batches = []
     for seed in range(DISTINCT_BATCHES):
@@ -179,10 +183,9 @@ def check_arguments(model: str, optimizer: str, device: str = "cuda") -> None:
     """ValueError naming the problem and the valid choices, before a child starts."""
     if model not in PEER_MODELS:
         raise ValueError(f"the PyTorch peer's model should be one of {list(PEER_MODELS)}. Received: {model!r}")
-    if optimizer not in bench_models.BENCH_OPTIMIZERS or (model == "resnet50" and optimizer != "sgd"):
-        valid = ["sgd"] if model == "resnet50" else list(bench_models.BENCH_OPTIMIZERS)
-        raise ValueError(f"the PyTorch peer's optimizer for {model} should be one of {valid}. Received: "
-                         f"{optimizer!r}")
+    if optimizer not in bench_models.BENCH_OPTIMIZERS:
+        raise ValueError(f"the PyTorch peer's optimizer should be one of {list(bench_models.BENCH_OPTIMIZERS)}. "
+                         f"Received: {optimizer!r}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"the PyTorch peer's device should be 'cuda' or 'cpu'. Received: {device!r}")
 
