@@ -26,6 +26,8 @@ BLOCK = "transformer_host_fed_1/transformer_lm_1/block3"
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", None, "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x64", None, "attention"),
     ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>", None, "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", None, "attention"),
+    ("void hmma_bf16_kernel_tn", None, "matmul"),  # "hmma" holds no attention mark
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", None, "matmul"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", None, "matmul"),
     ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", None, "matmul"),

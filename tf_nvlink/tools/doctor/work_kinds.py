@@ -25,13 +25,13 @@ times only "XLA_Retvals"); without the HLO, the `name` stat.
 
 The rules, the first that matches wins (the name scope's parts are read without Keras' "_1" suffixes):
 1. collective: NCCL and all-reduce kernels, peer-to-peer copies; copy: other copies and memsets (`trace.classify`);
-2. attention: fused attention kernels by name (fmha, flash, sdpa, mha), cuDNN's fMHA custom calls;
+2. attention: fused attention kernels by name (fmha, flash, sdpa, fused_mha, attention), cuDNN's fMHA custom calls;
 3. optimizer: an op name in an optimizer's scope (as Keras names it: sgd, adam, adam_w, lion, ...);
 4. loss: an op name in the loss's scope (compile_loss, loss, *crossentropy*);
 5. attention: an op name inside an attention layer (a scope part containing "attention") and not inside its
    projections (query, key, value, attention_output, q_proj, ...): the scores, mask, softmax and weighted sum,
    forward and backward, whether XLA runs them as gemms or fusions;
-6. matmul: gemm and convolution kernels by name (gemm, nvjet, cutlass, xmma, cublas, cudnn, cask), cuBLAS and cuDNN
+6. matmul: gemm and convolution kernels by name (gemm, nvjet, cutlass, xmma, hmma, cublas, cudnn, cask), cuBLAS, cuDNN
    convolution custom calls, dots and convolutions, fusions holding one (Triton gemms);
 7. normalisation: an op name inside a normalisation layer (layer_normalization, *_ln, *_bn, *norm*, batchnorm);
 8. elementwise: any other XLA kernel (elementwise ops, reductions, transposes, casts, gathers: GELU, residual adds,
@@ -67,8 +67,8 @@ OPTIMIZER_SCOPES = frozenset({"sgd", "adam", "adam_w", "adamw", "adamax", "adade
 # The projections inside an attention layer (Keras' MultiHeadAttention, and the usual names elsewhere): matmul work.
 ATTENTION_PROJECTIONS = frozenset({"query", "key", "value", "attention_output", "q_proj", "k_proj", "v_proj",
                                    "o_proj", "out_proj", "qkv", "qkv_proj"})
-_FUSED_ATTENTION = re.compile(r"fmha|flash|sdpa|mha")
-_MATMUL_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|cudnn|cask")
+_FUSED_ATTENTION = re.compile(r"fmha|flash|sdpa|fused_mha|attention")
+_MATMUL_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|hmma|cublas|cudnn|cask")
 _XLA_KERNEL = re.compile(r"fusion|^wrapped_")
 _AUXILIARY = re.compile(r"reduce|memcpy|memset|epilogue")
 _NORMALISATION = re.compile(r"(^|_)(ln|bn|norm|layernorm|batchnorm|rmsnorm|groupnorm)\d*$|normali[sz]ation|"
