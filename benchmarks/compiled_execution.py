@@ -42,7 +42,7 @@ copy's GB/s).
     python benchmarks/compiled_execution.py --models resnet50 --rounds 3 --json r50.json            # 1x H200
     python benchmarks/compiled_execution.py --models transformer --rounds 3 --steps 48 --json tfm.json
     python benchmarks/compiled_execution.py --models transformer,transformer_2048 --setups compiled,torch \
-        --optimizer adamw --rounds 3 --steps 192 --warmup_steps 16 --nodoctor_n --json tfm_mfu.json  # + PyTorch, MFU
+        --optimizer adamw --rounds 3 --steps 192 --warmup_steps 16 --json tfm_mfu.json     # + PyTorch, MFU
     python benchmarks/compiled_execution.py --models convnet --devices cpu --rounds 1 --notorch --steps 8
 """
 
@@ -264,13 +264,20 @@ FLOP_COUNT = ("6·N·T + 12·L·D·S·T: N the non-embedding parameters, T the s
 
 
 def gpu_name(strategy):
-    """The name NVML gives the strategy's first GPU (the MFU's peak is looked up by it), or None without one."""
+    """The name NVML gives the strategy's first GPU (the MFU's peak is looked up by it), else TensorFlow's name for
+    its first GPU; None without a GPU."""
+    import tensorflow as tf  # noqa: PLC0415
+
     from tf_nvlink.machine import nvml  # noqa: PLC0415
 
     indices = tuple(getattr(getattr(strategy, "plan", None), "gpus", ()) or ())
-    topology = nvml.probe()
-    names = {gpu.index: gpu.name for gpu in topology.gpus}
-    return names.get(indices[0]) if indices else None
+    if not indices:
+        return None
+    names = {gpu.index: gpu.name for gpu in nvml.probe().gpus}
+    if indices[0] in names:
+        return names[indices[0]]
+    gpus = tf.config.list_physical_devices("GPU")
+    return tf.config.experimental.get_device_details(gpus[0]).get("device_name") if gpus else None
 
 
 def advised_steps(report: dict):

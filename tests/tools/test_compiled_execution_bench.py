@@ -94,3 +94,16 @@ def test_a_cpu_run_of_a_transformer_with_adamw_writes_its_flops_and_no_mfu(tmp_p
     assert use["mfu"] is None and use["gpu"] is None and use["tflops_per_gpu"] == pytest.approx(
         record["model_flops_per_step"] / (record["rows"]["compiled"]["ms_per_step"] / 1e3) / 1e12, abs=0.01)
     assert "MFU against no peak: no GPU" in result.stdout
+
+
+def test_the_gpu_is_named_by_nvml_for_the_plans_first_gpu(bench, monkeypatch):
+    import types
+
+    from tests import fake_nvml
+    from tf_nvlink.machine import nvml
+
+    real_probe = nvml.probe
+    monkeypatch.setattr(nvml, "probe", lambda: real_probe(fake_nvml.FakeNvml(fake_nvml.h100_hgx_x8())))
+    strategy = types.SimpleNamespace(plan=types.SimpleNamespace(gpus=(3,)))
+    assert bench.gpu_name(strategy) == "NVIDIA H100 80GB HBM3"
+    assert bench.gpu_name(types.SimpleNamespace(plan=types.SimpleNamespace(gpus=()))) is None  # CPU replicas
