@@ -22,12 +22,17 @@ after a warm-up fit that compiles:
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
   sharded      the compiled execution with `optimizer_states="sharded"` (each replica holds and updates its share of
                the optimizer's slots; on one GPU the replicated path runs, which this row checks costs nothing);
-  torch        resnet50 only: the PyTorch peer (benchmarks/torch_peer.py), torch.compile, in a child process;
+  torch        resnet50 and the Transformers: the PyTorch peer (benchmarks/torch_peer.py), torch.compile with the
+               same optimizer, in a child process that compiles while TensorFlow does;
   advised      the compiled execution at the N the step doctor advises for the spe=1 model (--doctor_n, when
                that N is not --steps_per_execution).
 The host-fed setups read one synthetic batch from host memory through tf.data (uint8 images cast on the GPU,
-int32 tokens), mixed_bfloat16, SGD momentum 0.9, XLA. One process holds one strategy; the compiled execution is
-switched per model through the plan (what `tf_nvlink.strategy(compiled_execution=False)` sets for a process).
+int32 tokens), mixed_bfloat16, XLA, the optimizer of --optimizer (SGD momentum 0.9, or AdamW; both sides train with
+bench_models.BENCH_OPTIMIZERS' hyper-parameters). For the Transformers every row also gives the model's TFLOP/s per
+GPU and its MFU: bench_models.transformer_flops_per_step (6·N·T over the non-embedding parameters + 12·L·D·S·T) over
+the GPU's bf16 dense peak (tf_nvlink.plan.gpu_peaks, "n/a" for a GPU not in its table; the GPU's name from NVML).
+One process holds one strategy; the compiled execution is switched per model through the plan (what
+`tf_nvlink.strategy(compiled_execution=False)` sets for a process).
 The step doctor profiles the spe=1 model once (before the rounds): its step breakdown and its advice are kept, and
 its predicted gain is set beside the measured one (spe=1 against the compiled execution at the advised N); the
 compiled execution's step is set beside the doctor's compute time. After the rounds it profiles the compiled
@@ -36,6 +41,8 @@ copy's GB/s).
 
     python benchmarks/compiled_execution.py --models resnet50 --rounds 3 --json r50.json            # 1x H200
     python benchmarks/compiled_execution.py --models transformer --rounds 3 --steps 48 --json tfm.json
+    python benchmarks/compiled_execution.py --models transformer,transformer_2048 --setups compiled,torch \
+        --optimizer adamw --rounds 3 --steps 192 --warmup_steps 16 --json tfm_mfu.json     # + PyTorch, MFU
     python benchmarks/compiled_execution.py --models convnet --devices cpu --rounds 1 --notorch --steps 8
 """
 
@@ -53,13 +60,16 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/torch_peer.py
 
+from tf_nvlink.plan import gpu_peaks  # noqa: E402
 from tf_nvlink.tools import bench_models, bench_stats  # noqa: E402
-from tf_nvlink.tools.doctor import trace  # noqa: E402
+from tf_nvlink.tools.doctor import outputs, trace  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
-from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
+from torch_peer import PEER_MODELS, TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
-DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
-DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
+DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "transformer_2048": 2, "convnet": 8, "transformer_tiny": 4,
+                 "mlp": 1024}
+DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8, "transformer_2048": 8}
+PEER_WARMUP_STEPS = 15
 SETUPS = ("spe=1", "per-step", "compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident",
           "sharded", "torch")
 COMPILED_SETUPS = ("compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "sharded",
@@ -76,7 +86,11 @@ _BATCH = flags.DEFINE_integer("batch_per_replica", None, f"Default per model: {D
 _SETUPS = flags.DEFINE_list("setups", list(SETUPS), f"Which of {list(SETUPS)} to run.")
 _DEVICES = flags.DEFINE_enum("devices", "gpu", ["gpu", "cpu"], "gpu: tf_nvlink.strategy() over the GPUs; cpu: one "
                              "logical CPU device (a smoke run: fused mode needs GPUs, so nothing is compiled whole).")
-_TORCH = flags.DEFINE_bool("torch", True, "Run the PyTorch peer for resnet50 (needs torch, torchvision, a GPU).")
+_TORCH = flags.DEFINE_bool("torch", True, f"Run the PyTorch peer for {list(PEER_MODELS)} (needs torch, a GPU, and "
+                           f"torchvision for resnet50).")
+_OPTIMIZER = flags.DEFINE_enum("optimizer", "sgd", list(bench_models.BENCH_OPTIMIZERS),
+                               "What both sides train with (bench_models.BENCH_OPTIMIZERS): SGD momentum 0.9, or "
+                               "AdamW (the PyTorch peer's fused).")
 _DOCTOR = flags.DEFINE_bool("doctor", True, "Profile the spe=1 model with the step doctor first, and the compiled "
                              "model after the rounds.")
 _DOCTOR_N = flags.DEFINE_bool("doctor_n", True, "Also time the compiled execution at the N of the doctor's "
@@ -108,7 +122,7 @@ def set_plan(strategy, plan, setup: str = "") -> None:
     base.attach_optimizer_states(strategy, "sharded" if setup == "sharded" else "replicated")
 
 
-def build(name, strategy, batch, steps_per_execution, resident=False):
+def build(name, strategy, batch, steps_per_execution, resident=False, optimizer="sgd"):
     """(model, endless dataset, global batch): host-fed as tf_nvlink.tools.doctor.bench.build, or resident."""
     import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -117,7 +131,7 @@ def build(name, strategy, batch, steps_per_execution, resident=False):
     from tf_nvlink.tools.doctor import bench  # noqa: PLC0415
 
     if not resident:
-        return bench.build(name, strategy, batch, steps_per_execution=steps_per_execution)
+        return bench.build(name, strategy, batch, steps_per_execution=steps_per_execution, optimizer=optimizer)
     global_batch = batch * strategy.num_replicas_in_sync
     x, y = bench_models.synthetic_batch(name, global_batch)
     dataset = tf.data.Dataset.from_tensors((np.arange(global_batch, dtype="int32"), y)).repeat()
@@ -125,7 +139,7 @@ def build(name, strategy, batch, steps_per_execution, resident=False):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     with strategy.scope():
         model = bench_models.build_bench_model(name, x, keras, "device")
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        model.compile(optimizer=bench_models.bench_optimizer(optimizer, keras),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=name != "resnet50"),
                       jit_compile=bool(tf.config.list_logical_devices("GPU")),
                       steps_per_execution=steps_per_execution)
@@ -146,7 +160,10 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     batch = _BATCH.value or DEFAULT_BATCH[name]
     n = _SPE.value or DEFAULT_STEPS_PER_EXECUTION.get(name, 8)
     steps = _STEPS.value
-    peer = TorchPeer(batch, steps, 15) if "torch" in setups else None  # first: it compiles while TF does
+    optimizer = _OPTIMIZER.value
+    flops = bench_models.model_flops_per_step(name, batch * strategy.num_replicas_in_sync)
+    peer = TorchPeer(name, batch, steps, PEER_WARMUP_STEPS, optimizer=optimizer) if "torch" in setups else None
+    # (first: the peer compiles while TensorFlow does)
     models, paths, compile_s, plans = {}, {}, {}, {}
     doctor_report = None
 
@@ -154,7 +171,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         plans[setup] = plan_for(strategy, setup, n)
         set_plan(strategy, plans[setup], setup)
         model, dataset, global_batch = build(name, strategy, batch, 1 if setup == "spe=1" else n,
-                                             resident=setup == "resident")
+                                             resident=setup == "resident", optimizer=optimizer)
         compile_s[setup] = timed_fit(model, dataset, max(_WARMUP.value, 2 * n))
         if setup == "restaged":
             model.train_function.reuse_staged_input = False  # the next fits stage their input anew, as each did
@@ -180,7 +197,8 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         add("spe=1", n)
         if _DOCTOR.value:
             model, dataset = models["spe=1"]
-            doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, name), verbose=False)
+            doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, name), verbose=False,
+                                      model_flops_per_step=flops)
             doctor_report = doctor.report or {"unavailable": doctor.unavailable}
     advised = advised_steps(doctor_report or {}) if _DOCTOR_N.value else None
     if advised and advised != n and "compiled" in setups:
@@ -204,14 +222,21 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     finally:
         if peer:
             peer.close()
+    gpu = gpu_name(strategy)
     rows = {}
     for setup, values in seconds.items():
         stats = bench_stats.summarize(values)
+        samples, gpus = (batch, 1) if setup == "torch" else (global_batch, strategy.num_replicas_in_sync)
         rows[setup] = {"fit_s": values, "median_s": stats.median, "spread": stats.spread,
-                       "samples_per_s": global_batch * steps / stats.median,
+                       "samples_per_s": samples * steps / stats.median,
                        "ms_per_step": stats.median * 1e3 / steps, "path": paths.get(setup),
                        "warmup_fit_s": compile_s.get(setup)}
+        if flops:
+            rows[setup]["utilisation"] = gpu_peaks.utilisation(flops * samples / global_batch, stats.median / steps,
+                                                               gpu, gpus)
     record = {"model": name, "global_batch": global_batch, "steps": steps, "steps_per_execution": n,
+              "optimizer": optimizer, "gpu": gpu, "model_flops_per_step": flops,
+              "flop_count": FLOP_COUNT if flops else None,
               "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report,
               "prediction": prediction_check(doctor_report, rows, advised or n,
                                              "advised" if "advised" in rows else "compiled"),
@@ -221,7 +246,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
         set_plan(strategy, plans[fed], fed)
         model, dataset = models[fed]
         doctor = bench.doctor_fit(model, dataset, global_batch, os.path.join(_OUTPUT.value, f"{name}_{fed}"),
-                                  warmup_steps=2 * n, window_steps=2 * n, verbose=False)
+                                  warmup_steps=2 * n, window_steps=2 * n, verbose=False, model_flops_per_step=flops)
         record[f"doctor_{fed}"] = {"setup": fed, **(doctor.report or {"unavailable": doctor.unavailable})}
         if fed != "compiled":
             record[f"against_compute_{fed}"] = against_compute(doctor_report, rows, fed)
@@ -232,6 +257,27 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     models.clear()
     gc.collect()
     return record
+
+
+FLOP_COUNT = ("6·N·T + 12·L·D·S·T: N the non-embedding parameters, T the step's tokens, L layers, D d_model, S the "
+              "sequence; attention over the whole S x S matrix (bench_models.transformer_flops_per_step)")
+
+
+def gpu_name(strategy):
+    """The name NVML gives the strategy's first GPU (the MFU's peak is looked up by it), else TensorFlow's name for
+    its first GPU; None without a GPU."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tf_nvlink.machine import nvml  # noqa: PLC0415
+
+    indices = tuple(getattr(getattr(strategy, "plan", None), "gpus", ()) or ())
+    if not indices:
+        return None
+    names = {gpu.index: gpu.name for gpu in nvml.probe().gpus}
+    if indices[0] in names:
+        return names[indices[0]]
+    gpus = tf.config.list_physical_devices("GPU")
+    return tf.config.experimental.get_device_details(gpus[0]).get("device_name") if gpus else None
 
 
 def advised_steps(report: dict):
@@ -276,24 +322,53 @@ def against_compute(report, rows: dict, setup: str = "compiled"):
             "ratio": rows[setup]["ms_per_step"] / compute}
 
 
+def setups_for(name: str, setups: list, torch: bool) -> list:
+    """The setups model `name` runs: "torch" only where the PyTorch peer runs (`torch`) and has the model."""
+    return [setup for setup in setups if setup != "torch" or (torch and name in PEER_MODELS)]
+
+
+def doctor_work_lines(report: dict, label: str) -> list:
+    """The doctor's kernel time by kind of work (ms per step, kinds with time) and its MFU line, for the log."""
+    work = (report.get("mean") or {}).get("work_ms") or {}
+    lines = []
+    if any(work.values()):
+        lines.append(f"doctor ({label}) by kind of work, ms per step: "
+                     + ", ".join(f"{kind} {ms:.2f}" for kind, ms in work.items() if ms))
+    if report.get("mfu"):
+        lines.append(f"doctor ({label}): {outputs.mfu_line(report['mfu'])}")
+    return lines
+
+
 def render(record: dict) -> str:
     rows = record["rows"]
+    flops = record.get("model_flops_per_step")
+    mfu_head, mfu_rule = (" model TFLOP/s per GPU | MFU |", " --- | --- |") if flops else ("", "")
     lines = [f"\n## {record['model']} (global batch {record['global_batch']}, N={record['steps_per_execution']}, "
-             f"{record['steps']}-step fits, {record['rounds']} interleaved rounds)",
-             "| setup | samples/s (median) | ms/step | spread | vs per-step | vs torch | path |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"{record['steps']}-step fits, {record['rounds']} interleaved rounds, {record.get('optimizer', 'sgd')})",
+             f"| setup | samples/s (median) | ms/step | spread | vs per-step | vs torch |{mfu_head} path |",
+             f"| --- | --- | --- | --- | --- | --- |{mfu_rule} --- |"]
     base = rows.get("per-step", {}).get("samples_per_s")
     peer = rows.get("torch", {}).get("samples_per_s")
     for setup, row in rows.items():
         rate = row["samples_per_s"]
         against = [f"{rate / other:.3f}" if other else "-" for other in (base, peer)]
+        use = row.get("utilisation")
+        mfu_cells = f" {use['tflops_per_gpu']:.4g} | {gpu_peaks.mfu_text(use['mfu'])} |" if use else ""
         lines.append(f"| {setup} | {rate:.1f} | {row['ms_per_step']:.2f} | {row['spread']:.1%} | {against[0]} | "
-                     f"{against[1]} | {row['path'][0] if row['path'] else '-'} |")
+                     f"{against[1]} |{mfu_cells} {row['path'][0] if row['path'] else '-'} |")
+    if flops:
+        gpu = record.get("gpu")
+        peak = gpu_peaks.bf16_dense_peak(gpu)
+        lines.append(f"model FLOPs per step {flops / 1e12:.4g} TFLOP ({record['flop_count']}); MFU against "
+                     + (f"the {peak.label}'s {peak.tflops:g} TFLOP/s ({peak.source})" if peak else
+                        "no peak: no GPU" if gpu is None else
+                        f"no peak: the GPU {gpu!r} is not in tf_nvlink.plan.gpu_peaks"))
     doctor = record.get("doctor") or {}
     window = doctor.get("window") or {}
     if window:
         lines.append(f"doctor (spe=1): {(doctor.get('verdict') or {}).get('kind')}; step {window.get('step_ms')} ms; "
                      f"breakdown {json.dumps(doctor.get('breakdown'), default=str)[:400]}")
+        lines += doctor_work_lines(doctor, "spe=1")
     for advice in (doctor.get("verdict") or {}).get("advice", []):
         lines.append(f"doctor advice: {advice.get('change')} predicted +{advice.get('gain', 0):.1%} per step")
     if doctor.get("input_copy"):
@@ -318,6 +393,7 @@ def render(record: dict) -> str:
                          f"compute {mean['compute_ms']:.2f} ms, GPU idle {mean['idle_ms']:.2f} ms "
                          f"({mean['idle_ms'] / mean['step_ms']:.1%}), input copy exposed {mean['exposed_h2d_ms']:.2f} "
                          f"ms; input copy {json.dumps(compiled.get('input_copy'))}")
+            lines += doctor_work_lines(compiled, f"{fed}, N={record['steps_per_execution']}")
         elif compiled:
             lines.append(f"doctor ({fed}): {compiled.get('unavailable')}")
     return "\n".join(lines)
@@ -337,8 +413,7 @@ def main(argv):
     strategy = bench.configure(cpu_devices=1 if _DEVICES.value == "cpu" else 0)
     records = []
     for name in _MODELS.value:
-        setups = [s for s in _SETUPS.value
-                  if s != "torch" or (_TORCH.value and name == "resnet50" and _DEVICES.value == "gpu")]
+        setups = setups_for(name, _SETUPS.value, _TORCH.value and _DEVICES.value == "gpu")
         records.append(bench_model(name, strategy, setups))
         print(render(records[-1]), flush=True)
         if _JSON.value:

@@ -39,7 +39,8 @@ from tf_nvlink.tools import bench_models  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
 from torch_peer import TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
-DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
+DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "transformer_2048": 2, "convnet": 8, "transformer_tiny": 4,
+                 "mlp": 1024}
 EPOCH_STEPS = 2000  # the doctor's cost is judged against an epoch this long
 
 _MODELS = flags.DEFINE_list("models", ["resnet50", "transformer"], f"Any of {list(bench_models.BENCH_MODELS)}.")
@@ -100,7 +101,8 @@ def bench_model(name: str, strategy, batch: int, torch_peer: bool) -> dict:
     from tf_nvlink.tools.doctor import bench
 
     steps, rounds = _STEPS.value, _ROUNDS.value
-    peer = TorchPeer(batch, steps, _WARMUP.value) if torch_peer else None  # first: it compiles while TF does
+    # first: the peer compiles while TensorFlow does
+    peer = TorchPeer("resnet50", batch, steps, _WARMUP.value) if torch_peer else None
     model_a, dataset, global_batch = bench.build(name, strategy, batch, steps_per_execution=1)
     timed_fit(model_a, dataset, _WARMUP.value)  # compiles
     if peer:

@@ -38,8 +38,9 @@ from tf_nvlink.tools import bench_models, bench_stats  # noqa: E402
 from tf_nvlink.util import atomic_files, text_table  # noqa: E402
 
 PATHS = ("compiled", "perstep")
-DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "convnet": 8, "transformer_tiny": 4, "mlp": 1024}
-DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8}
+DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "transformer_2048": 2, "convnet": 8, "transformer_tiny": 4,
+                 "mlp": 1024}
+DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8, "transformer_2048": 8}
 CACHES = ("cold", "warm")
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")

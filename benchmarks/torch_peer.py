@@ -1,14 +1,29 @@
-"""The PyTorch peer of the one-GPU benchmarks: torchvision's ResNet-50 trained the way PyTorch users train it fast
-(bf16 autocast, channels_last, `torch.compile` with default options, SGD momentum, a pinned uint8 host batch copied
-to the GPU and scaled every step), in a child process with its own CUDA context and no TensorFlow.
+"""The PyTorch peers of the one-GPU benchmarks, trained the way PyTorch users train them fast, each in a child
+process with its own CUDA context and no TensorFlow:
 
-    peer = TorchPeer(batch=128, steps=96, warmup_steps=15)   # compiles while the TensorFlow side does
-    peer.wait_until_ready()
+- resnet50: torchvision's ResNet-50, bf16 autocast, channels_last, `torch.compile` with default options, a pinned uint8
+  host batch copied to the GPU and scaled every step;
+- a Transformer of `tf_nvlink.tools.bench_models.TRANSFORMER_CONFIGS` ("transformer": 8 x 512 tokens,
+  "transformer_2048": 2 x 2048): the architecture of `bench_models.transformer_lm` (token and learned position
+  embeddings, pre-LayerNorm blocks of causal multi-head attention and an exact-GELU feed-forward, LayerNorm eps
+  1e-5, biases on every projection, a final LayerNorm, untied logits cast to float32 for the cross-entropy),
+  q, k and v as one Linear of 3 x d_model outputs (the weights and FLOPs of Keras' three projections),
+  `F.scaled_dot_product_attention(is_causal=True)`, bf16 autocast, `torch.compile` with default options over the
+  model and its loss, fed from 8 distinct pinned int64 host batches, one copied to the GPU every step. The Keras
+  model adds its position table as a constant (its Embedding is called on a constant outside the model's graph), so
+  there it is not trained; here it is (seq_len x d_model more parameters, no model FLOPs).
+
+Both train with the optimizer of `bench_models.BENCH_OPTIMIZERS` the TensorFlow side compiles with: SGD with momentum,
+or AdamW (fused on the GPU) with the same learning rate, betas, epsilon and weight decay.
+
+    peer = TorchPeer("transformer", batch=8, steps=96, warmup_steps=15, optimizer="adamw")   # compiles while the
+    peer.wait_until_ready()                                                                # TensorFlow side does
     seconds = peer.run()                                    # one timed run of `steps` steps
     peer.close()
 
-`python benchmarks/torch_peer.py BATCH STEPS WARMUP_STEPS` is the child: it compiles and warms up, prints "ready",
-then times `STEPS` steps for each "run" line on stdin and prints {"fit_s": ...}; it exits on "quit".
+`python benchmarks/torch_peer.py MODEL BATCH STEPS WARMUP_STEPS OPTIMIZER [DEVICE]` is the child: it compiles and
+warms up, prints "ready", then times `STEPS` steps for each "run" line on stdin and prints {"fit_s": ...}; it exits
+on "quit". DEVICE is "cuda" (default) or "cpu" (a smoke run of the same code on small shapes).
 """
 
 from __future__ import annotations
@@ -19,33 +34,141 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tf_nvlink, for the configs
 
-def torch_child(batch: int, steps: int, warmup_steps: int) -> int:
+from tf_nvlink.tools import bench_models  # noqa: E402 - imports neither TensorFlow nor Keras
+
+PEER_MODELS = ("resnet50",) + tuple(bench_models.TRANSFORMER_CONFIGS)
+DISTINCT_BATCHES = 8  # the Transformer peer's host batches, one copied each step
+
+
+def torch_optimizer(name: str, parameters, device):
+    """The torch optimizer of `bench_models.BENCH_OPTIMIZERS[name]`: SGD with momentum, or AdamW (fused on a GPU)."""
+    import torch
+
+    settings = bench_models.BENCH_OPTIMIZERS[name]
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=settings["learning_rate"], eps=settings["epsilon"],
+                                 betas=(settings["beta_1"], settings["beta_2"]),
+                                 weight_decay=settings["weight_decay"], fused=device.type == "cuda")
+    return torch.optim.SGD(parameters, lr=settings["learning_rate"], momentum=settings["momentum"])
+
+
+def resnet50_step(batch: int, optimizer_name: str, device):
+    """One ResNet-50 training step as a function of no arguments."""
     import numpy as np
     import torch
     import torchvision
 
-    device = torch.device("cuda")
     model = torchvision.models.resnet50(num_classes=1000).to(device, memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch_optimizer(optimizer_name, model.parameters(), device)
     compiled = torch.compile(model)
     rng = np.random.default_rng(0)
-    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8)).pin_memory()
+    host_x = torch.from_numpy(rng.integers(0, 256, size=(batch, 3, 224, 224), dtype=np.uint8))
     host_y = torch.from_numpy(rng.integers(0, 10, size=(batch,)).astype("int64"))
+    if device.type == "cuda":
+        host_x = host_x.pin_memory()
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step():
         x = host_x.to(device, non_blocking=True).float().div_(255.0).contiguous(memory_format=torch.channels_last)
         y = host_y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = loss_fn(compiled(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
+    return step
+
+
+def transformer_lm(vocab_size, seq_len, d_model, num_layers, num_heads, ffn_dim):
+    """`bench_models.transformer_lm` in PyTorch: called on int64 tokens [batch, seq_len] and their next tokens,
+    returns the mean cross-entropy of its float32 logits."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d_model, eps=1e-5)
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.attention_output = nn.Linear(d_model, d_model)
+            self.ln2 = nn.LayerNorm(d_model, eps=1e-5)
+            self.ffn_in = nn.Linear(d_model, ffn_dim)
+            self.ffn_out = nn.Linear(ffn_dim, d_model)
+
+        def forward(self, x):
+            batch, length, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(batch, length, 3, num_heads, d_model // num_heads).permute(
+                2, 0, 3, 1, 4)
+            h = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, length, head_dim]
+            x = x + self.attention_output(h.transpose(1, 2).reshape(batch, length, d_model))
+            return x + self.ffn_out(F.gelu(self.ffn_in(self.ln2(x))))  # exact GELU, as Keras' "gelu"
+
+    class TransformerLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.token_embedding = nn.Embedding(vocab_size, d_model)
+            self.position_embedding = nn.Embedding(seq_len, d_model)
+            self.blocks = nn.ModuleList(Block() for _ in range(num_layers))
+            self.final_ln = nn.LayerNorm(d_model, eps=1e-5)
+            self.logits = nn.Linear(d_model, vocab_size)
+            self.register_buffer("positions", torch.arange(seq_len), persistent=False)
+
+        def forward(self, tokens, targets):
+            x = self.token_embedding(tokens) + self.position_embedding(self.positions)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.logits(self.final_ln(x)).float()
+            return F.cross_entropy(logits.view(-1, vocab_size), targets.view(-1))
+
+    return TransformerLM()
+
+
+def transformer_step(name: str, batch: int, optimizer_name: str, device):
+    """One training step of Transformer `name` as a function of no arguments, each call on the next of the
+    DISTINCT_BATCHES host batches."""
+    import torch
+
+    model = transformer_lm(**bench_models.TRANSFORMER_CONFIGS[name]).to(device)
+    optimizer = torch_optimizer(optimizer_name, model.parameters(), device)
+    compiled = torch.compile(model)
+    batches = []
+    for seed in range(DISTINCT_BATCHES):
+        tokens, targets = bench_models.synthetic_batch(name, batch, seed=seed)
+        pair = tuple(torch.from_numpy(part.astype("int64")) for part in (tokens, targets))
+        batches.append(tuple(part.pin_memory() for part in pair) if device.type == "cuda" else pair)
+    taken = [0]
+
+    def step():
+        tokens, targets = (part.to(device, non_blocking=True) for part in batches[taken[0] % DISTINCT_BATCHES])
+        taken[0] += 1
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = compiled(tokens, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def torch_child(model_name: str, batch: int, steps: int, warmup_steps: int, optimizer_name: str,
+                device_name: str = "cuda") -> int:
+    import torch
+
+    device = torch.device(device_name)
+    step = (resnet50_step(batch, optimizer_name, device) if model_name == "resnet50"
+            else transformer_step(model_name, batch, optimizer_name, device))
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     for _ in range(warmup_steps):
         step()
-    torch.cuda.synchronize()
+    synchronize()
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
@@ -53,17 +176,34 @@ def torch_child(batch: int, steps: int, warmup_steps: int) -> int:
         started = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        synchronize()
         print(json.dumps({"fit_s": time.perf_counter() - started}), flush=True)
     return 0
 
 
-class TorchPeer:
-    """The child process running `torch_child`; `run()` returns one timed run's seconds."""
+def check_arguments(model: str, optimizer: str, device: str = "cuda") -> None:
+    """ValueError naming the problem and the valid choices, before a child starts."""
+    if model not in PEER_MODELS:
+        raise ValueError(f"the PyTorch peer's model should be one of {list(PEER_MODELS)}. Received: {model!r}")
+    if optimizer not in bench_models.BENCH_OPTIMIZERS:
+        raise ValueError(f"the PyTorch peer's optimizer should be one of {list(bench_models.BENCH_OPTIMIZERS)}. "
+                         f"Received: {optimizer!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"the PyTorch peer's device should be 'cuda' or 'cpu'. Received: {device!r}")
 
-    def __init__(self, batch: int, steps: int, warmup_steps: int):
+
+class TorchPeer:
+    """The child process running `torch_child` for `model`; `run()` returns one timed run's seconds.
+
+    Example:
+        >>> peer = TorchPeer("resnet50", batch=128, steps=96, warmup_steps=15)
+    """
+
+    def __init__(self, model: str, batch: int, steps: int, warmup_steps: int, optimizer: str = "sgd",
+                 device: str = "cuda", python: str = sys.executable):
+        check_arguments(model, optimizer, device)
         self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(batch), str(steps), str(warmup_steps)],
+            [python, os.path.abspath(__file__), model, str(batch), str(steps), str(warmup_steps), optimizer, device],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.started = False
 
@@ -91,4 +231,6 @@ class TorchPeer:
 
 
 if __name__ == "__main__":
-    sys.exit(torch_child(*(int(arg) for arg in sys.argv[1:4])))
+    model_arg, optimizer_arg, device_arg = sys.argv[1], sys.argv[5], (sys.argv[6:7] or ["cuda"])[0]
+    check_arguments(model_arg, optimizer_arg, device_arg)
+    sys.exit(torch_child(model_arg, *(int(arg) for arg in sys.argv[2:5]), optimizer_arg, device_arg))

@@ -1,6 +1,7 @@
 """Every private Keras/TensorFlow touch lives in the tf_nvlink/internals/ package, and nowhere else in tf_nvlink/.
 
-Flagged anywhere else: an import or mention of `keras.src` or `tensorflow.python`, and an access of a private
+Flagged anywhere else: an import or mention of `keras.src`, `tensorflow.python`, `tensorflow.tsl` or
+`tensorflow.compiler`, and an access of a private
 attribute (`obj._name`, or `getattr(obj, "_name")` and its kin) that tf_nvlink itself does not define. `self._x`/`cls._x` count as our own only when a
 class of ours assigns them in a method, and `_x` names as our own only when a module or class of ours defines
 them (nested functions that take a Keras method's name do not count).

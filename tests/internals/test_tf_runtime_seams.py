@@ -31,6 +31,12 @@ def test_profiler_trace_format_and_kernels():
     from tf_nvlink.internals import tf_runtime
 
     assert {"XSpace", "XPlane", "XLine", "XEvent"} <= set(dir(tf_runtime.xplane_protobuf_module()))
+    hlo = tf_runtime.hlo_protobuf_module()
+    assert {"HloProto", "HloModuleProto", "HloInstructionProto", "HloScheduleProto"} <= set(dir(hlo))
+    instruction = hlo.HloInstructionProto.DESCRIPTOR.fields_by_name
+    assert {"name", "opcode", "metadata", "custom_call_target", "called_computation_ids", "id"} <= set(instruction)
+    assert "op_name" in instruction["metadata"].message_type.fields_by_name  # xla.OpMetadata
+    assert "sequences" in hlo.HloScheduleProto.DESCRIPTOR.fields_by_name
     assert "def set_config_key_value" in inspect.getsource(context.Context)
 
 

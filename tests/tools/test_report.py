@@ -519,7 +519,7 @@ def test_memory_report_builds_the_model_and_its_slots_and_says_what_fits():
 @pytest.mark.parametrize("argv, message", [
     (["--memory", "mlp", "--no-tf"], "--memory builds the model and its optimizer with TensorFlow; drop --no-tf"),
     (["--memory", "bert"], "argument --memory: invalid choice: 'bert' (choose from 'mlp', 'resnet50', 'convnet', "
-                           "'transformer', 'transformer_tiny')"),
+                           "'transformer', 'transformer_2048', 'transformer_tiny')"),
     (["--memory", "mlp", "--optimizer", "adafactor"], "argument --optimizer: invalid choice: 'adafactor' (choose "
                                                       "from 'sgd', 'adam', 'adamw', 'rmsprop', 'adagrad', 'lion', "
                                                       "'lamb', 'adamax', 'adadelta', 'ftrl', 'nadam')"),

@@ -241,6 +241,48 @@ def test_host_batches_come_in_the_dtypes_users_feed():
     assert (big["d_model"], big["num_layers"], big["num_heads"], big["seq_len"]) == (1024, 24, 16, 512)
 
 
+def test_transformer_flops_count_the_non_embedding_weights_and_the_whole_attention_matrix(tf):
+    """6·N·T + 12·L·D·S·T with N the parameters outside the embedding tables: N is what the Keras model trains less
+    its token table (its position table is added as a constant), and the two configs of the issue's figures give
+    8.854 TFLOP (8 x 512 tokens) and 10.710 TFLOP (2 x 2048) a step."""
+    import keras
+
+    config = bench_models.TRANSFORMER_CONFIGS["transformer_tiny"]
+    counted = bench_models.transformer_parameters(**config)
+    built = bench_models.bench_body("transformer_tiny", keras)
+    assert counted["non_embedding"] == built.count_params() - config["vocab_size"] * config["d_model"]
+    assert counted["embedding"] == (config["vocab_size"] + config["seq_len"]) * config["d_model"]
+    tokens = 3 * config["seq_len"]
+    assert bench_models.transformer_flops_per_step("transformer_tiny", 3) == \
+        6 * counted["non_embedding"] * tokens + 12 * 2 * 32 * 16 * tokens
+    big = bench_models.transformer_parameters(**bench_models.TRANSFORMER_CONFIGS["transformer"])
+    assert big["non_embedding"] + big["embedding"] == 368_403_712  # the "368M" model
+    assert bench_models.transformer_flops_per_step("transformer", 8) == pytest.approx(8.854e12, rel=1e-4)
+    assert bench_models.transformer_flops_per_step("transformer_2048", 2) == pytest.approx(10.710e12, rel=1e-4)
+    assert bench_models.model_flops_per_step("transformer", 16) == 2 * bench_models.model_flops_per_step(
+        "transformer", 8)
+    assert bench_models.model_flops_per_step("resnet50", 128) is None
+
+
+@pytest.mark.parametrize("name, batch, message", [
+    ("resnet50", 8, "model should be one of ['transformer', 'transformer_2048', 'transformer_tiny']. Received: "
+                    "'resnet50'"),
+    ("transformer", 0, "global_batch should be a positive integer. Received: 0"),
+    ("transformer", 2.0, "global_batch should be a positive integer. Received: 2.0"),
+])
+def test_transformer_flops_refuse_bad_input(name, batch, message):
+    with pytest.raises(ValueError) as raised:
+        bench_models.transformer_flops_per_step(name, batch)
+    assert str(raised.value) == message
+
+
+def test_the_2048_token_config_is_the_same_model_on_longer_sequences():
+    short, long = (bench_models.TRANSFORMER_CONFIGS[n] for n in ("transformer", "transformer_2048"))
+    assert long == {**short, "seq_len": 2048}
+    tokens, targets = bench_models.synthetic_batch("transformer_2048", 2)
+    assert tokens.shape == targets.shape == (2, 2048) and tokens.max() < short["vocab_size"]
+
+
 @pytest.mark.parametrize("name", ["convnet", "transformer_tiny"])
 def test_device_fed_model_computes_what_the_host_fed_model_does(tf, name):
     """`--input device` gathers the examples from a copy held in the model: same outputs as feeding them."""

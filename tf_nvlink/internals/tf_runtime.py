@@ -1,6 +1,6 @@
 """Seams in TensorFlow's runtime: XLA contexts, MirroredStrategy's merge_call switch, worker counts, device memory
 and kernels, the eager context (multi-worker start, coordination service, run metadata), a tf.function's jit
-flag, the profiler's trace format and its step markers.
+flag, the profiler's trace format and its step markers, XLA's HLO format.
 
 Checked against TensorFlow 2.21 (setup.cfg's floor, what CI tests); pinned in tests/internals/test_tf_runtime_seams.py.
 
@@ -167,6 +167,17 @@ def xplane_protobuf_module():
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
 
     return xplane_pb2
+
+
+def hlo_protobuf_module():
+    """The protobuf module of XLA's HLO (`HloProto`, `HloModuleProto`, `HloInstructionProto`):
+    `tensorflow.compiler.xla.service.hlo_pb2`, outside the public `tf.*` API. The profiler's trace holds each
+    compiled program's optimized HLO as an `HloProto` (the stat "Hlo Proto" of the `/host:metadata` plane's event
+    metadata, one per program id): its instructions' `metadata.op_name` (the TensorFlow op and name scope each came
+    from) and each computation's schedule."""
+    from tensorflow.compiler.xla.service import hlo_pb2  # noqa: PLC0415
+
+    return hlo_pb2
 
 
 def step_trace(step: int):

@@ -38,9 +38,12 @@ def compiled_mnist_mlp(learning_rate=1e-3, jit_compile=False):
 
 
 # Decoder-only Transformer LM sizes. "transformer": ~368M parameters (1.37 GiB of float32 gradients), the
-# communication-heavy benchmark model; "transformer_tiny": the same code in seconds on a CPU (tests).
+# communication-heavy benchmark model; "transformer_2048": the same model on 2048-token sequences (attention's share
+# of the work 4x larger per token); "transformer_tiny": the same code in seconds on a CPU (tests).
 TRANSFORMER_CONFIGS = {
     "transformer": dict(vocab_size=32000, seq_len=512, d_model=1024, num_layers=24, num_heads=16, ffn_dim=4096),
+    "transformer_2048": dict(vocab_size=32000, seq_len=2048, d_model=1024, num_layers=24, num_heads=16,
+                             ffn_dim=4096),
     "transformer_tiny": dict(vocab_size=64, seq_len=16, d_model=32, num_layers=2, num_heads=2, ffn_dim=64),
 }
 
@@ -75,6 +78,79 @@ def transformer_lm(vocab_size=32000, seq_len=512, d_model=1024, num_layers=24, n
     logits = keras.layers.Dense(vocab_size, name="logits")(x)
     logits = keras.layers.Activation("linear", dtype="float32", name="logits_float32")(logits)
     return keras.Model(tokens, logits, name=name)
+
+def transformer_parameters(vocab_size, seq_len, d_model, num_layers, num_heads, ffn_dim) -> dict:
+    """The trainable parameters of `transformer_lm` with this config: "embedding" (the token and position tables,
+    read by gathers) and "non_embedding" (everything a matmul or an elementwise op reads: per block the attention's
+    four d_model x d_model projections and biases, the feed-forward's two matrices and biases, two LayerNorms; the
+    final LayerNorm; the untied logits' matrix and bias).
+
+    Example:
+        >>> transformer_parameters(**TRANSFORMER_CONFIGS["transformer"])
+        {'embedding': 33292288, 'non_embedding': 335111424}
+    """
+    del num_heads  # the heads split d_model: no parameters of their own
+    block = 4 * (d_model * d_model + d_model) + 2 * d_model * ffn_dim + ffn_dim + d_model + 2 * 2 * d_model
+    return {"embedding": (vocab_size + seq_len) * d_model,
+            "non_embedding": num_layers * block + 2 * d_model + d_model * vocab_size + vocab_size}
+
+
+def transformer_flops_per_step(name: str, global_batch: int) -> float:
+    """Model FLOPs of one training step (forward and backward) of benchmark Transformer `name` over `global_batch`
+    sequences: 6·N·T + 12·L·D·S·T, with T = global_batch x S tokens, N the non-embedding parameters
+    (`transformer_parameters`: the embedding tables are gathers, not matmuls; the untied logits' matrix is a matmul
+    and counts), L layers, D = d_model, S = seq_len. 6·N·T is the weights' multiply-adds, twice in the backward pass;
+    12·L·D·S·T is attention's scores (Q·K^T) and weighted sum (P·V) over the whole S x S matrix, as PaLM's MFU
+    counts it (appendix B), not the causal half a fused causal kernel computes: the same count for every
+    implementation, so TensorFlow's and PyTorch's figures compare. Work that is not a model FLOP (the
+    optimizer, normalisation, softmax, recomputation) is not counted.
+
+    Example:
+        >>> round(transformer_flops_per_step("transformer", 8) / 1e12, 3)      # 8 x 512 tokens
+        8.854
+        >>> round(transformer_flops_per_step("transformer_2048", 2) / 1e12, 3)  # 2 x 2048 tokens
+        10.71
+    """
+    if name not in TRANSFORMER_CONFIGS:
+        raise ValueError(f"model should be one of {list(TRANSFORMER_CONFIGS)}. Received: {name!r}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch should be a positive integer. Received: {global_batch!r}")
+    config = TRANSFORMER_CONFIGS[name]
+    seq_len, tokens = config["seq_len"], global_batch * config["seq_len"]
+    weights = 6 * transformer_parameters(**config)["non_embedding"] * tokens
+    return float(weights + 12 * config["num_layers"] * config["d_model"] * seq_len * tokens)
+
+
+def model_flops_per_step(name: str, global_batch: int):
+    """`transformer_flops_per_step` for a Transformer benchmark model, None for the others (whose FLOPs the
+    benchmarks do not count).
+
+    Example:
+        >>> model_flops_per_step("resnet50", 128) is None
+        True
+    """
+    return transformer_flops_per_step(name, global_batch) if name in TRANSFORMER_CONFIGS else None
+
+
+# The benchmarks' optimizers and their hyper-parameters, in Keras' names; the PyTorch peer (benchmarks/torch_peer.py)
+# builds the same ones from this table. "sgd" is what every benchmark compiled with before "adamw" was added.
+BENCH_OPTIMIZERS = {
+    "sgd": dict(learning_rate=0.01, momentum=0.9),
+    "adamw": dict(learning_rate=1e-3, weight_decay=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-8),
+}
+
+
+def bench_optimizer(name: str, keras):
+    """The Keras optimizer `name` of BENCH_OPTIMIZERS with its hyper-parameters ("sgd": SGD with momentum).
+
+    Example:
+        >>> bench_optimizer("adamw", keras).weight_decay
+        0.01
+    """
+    if name not in BENCH_OPTIMIZERS:
+        raise ValueError(f"optimizer should be one of {list(BENCH_OPTIMIZERS)}. Received: {name!r}")
+    return {"sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[name](**BENCH_OPTIMIZERS[name])
+
 
 # ---- the training benchmark's models (tf_nvlink/training_bench.py) and their synthetic input --------------------
 

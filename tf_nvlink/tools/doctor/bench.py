@@ -2,7 +2,8 @@
 tf_nvlink.tools.doctor`, `examples/benchmark.py --step_doctor` and `benchmarks/step_doctor.py`.
 
 The models and their host input are the training benchmark's (`tf_nvlink.tools.bench_models`): a uint8
-host batch through tf.data, cast on the device, `mixed_bfloat16`, SGD with momentum, XLA, `tf_nvlink.strategy()`.
+host batch through tf.data, cast on the device, `mixed_bfloat16`, SGD with momentum (or AdamW), XLA,
+`tf_nvlink.strategy()`.
 
 Example:
     >>> strategy = configure(cpu_devices=0)
@@ -47,9 +48,10 @@ def configure(cpu_devices: int = 0, mixed_precision: bool = True):
 
 
 def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_execution: int = 1,
-          jit_compile: Optional[bool] = None):
+          jit_compile: Optional[bool] = None, optimizer: str = "sgd"):
     """(compiled model, endless host dataset of one synthetic batch, global batch) under `strategy`.
-    jit_compile: default XLA on GPUs, off on CPU devices (XLA on CPU cannot compile the collectives)."""
+    jit_compile: default XLA on GPUs, off on CPU devices (XLA on CPU cannot compile the collectives); optimizer: a
+    key of `bench_models.BENCH_OPTIMIZERS` (default SGD with momentum)."""
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
@@ -63,7 +65,7 @@ def build(model_name: str, strategy: Any, batch_per_replica: int, steps_per_exec
         jit_compile = bool(tf.config.list_logical_devices("GPU"))
     with strategy.scope():
         model = bench_models.build_bench_model(model_name, x, keras, "host")
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        model.compile(optimizer=bench_models.bench_optimizer(optimizer, keras),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=model_name != "resnet50"),
                       jit_compile=jit_compile, steps_per_execution=steps_per_execution)
     return model, dataset, global_batch
@@ -82,14 +84,16 @@ def steps_covering_the_window(warmup_steps: int, window_steps: int, steps_per_ex
 
 
 def doctor_fit(model: Any, dataset: Any, global_batch: int, output_dir: str, warmup_steps: int = 20,
-               window_steps: int = 10, verbose: bool = True, log_dir: Optional[str] = None, chart: bool = True):
-    """One `fit` of warmup + window + 2 steps with a StepDoctor (into the TensorBoard `log_dir` when given);
-    returns the doctor (its `report`)."""
+               window_steps: int = 10, verbose: bool = True, log_dir: Optional[str] = None, chart: bool = True,
+               model_flops_per_step: Optional[float] = None):
+    """One `fit` of warmup + window + 2 steps with a StepDoctor (into the TensorBoard `log_dir` when given; with the
+    model's FLOPs per step, its MFU); returns the doctor (its `report`)."""
     from tf_nvlink.tools.doctor.callback import StepDoctor  # noqa: PLC0415
 
     os.makedirs(output_dir, exist_ok=True)
     doctor = StepDoctor(warmup_steps=warmup_steps, window_steps=window_steps, output_dir=output_dir,
-                        global_batch=global_batch, verbose=verbose, log_dir=log_dir, chart=chart)
+                        global_batch=global_batch, verbose=verbose, log_dir=log_dir, chart=chart,
+                        model_flops_per_step=model_flops_per_step)
     steps = steps_covering_the_window(warmup_steps, window_steps, getattr(model, "steps_per_execution", 1))
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False, callbacks=[doctor])
     return doctor

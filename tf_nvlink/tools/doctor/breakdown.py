@@ -11,7 +11,9 @@ intervals, where `calls` is how many training-function calls the window made: th
 host between its predecessor's last kernel and its own first, which `steps_per_execution` pays once per N steps.
 `boundary_idle` (per call) is the idle part of the `calls - 1` longest gaps between compute (and collective)
 kernels, the copies inside them left out: everything the GPU waits for between one call's program and the next
-(the batch fetched, the program launched), where `per_call_gap` is only its longest idle stretch.
+(the batch fetched, the program launched), where `per_call_gap` is only its longest idle stretch. `work_ms`: per kind
+of work (`work_kinds.WORK_KINDS`: matmul, attention, normalisation, ...) the union of its events' intervals; the
+compute kinds add up to `compute` where one stream runs the kernels, and copies and all-reduces overlap them.
 
 Example:
     >>> b = replica_breakdown(activity, step_ms=33.6, steps=10, calls=10)
@@ -95,10 +97,12 @@ class ReplicaBreakdown:
     peer_copy_ms: float = 0.0
     h2d_pageable_ms: float = 0.0
     h2d_pinned_ms: float = 0.0
+    work_ms: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["top_kernels"] = [list(k) for k in self.top_kernels]
+        out["work_ms"] = {kind: round(ms, 4) for kind, ms in self.work_ms.items()}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -137,7 +141,8 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
         top_kernels=tuple((name[:80], duration * per_step) for name, duration in top_kernels),
         boundary_idle_ms=boundary_idle_ms, peer_copy_ms=length(kinds.get("p2p", [])) * per_step,
         h2d_pageable_ms=_memory_ps(activity, "pageable") * per_step,
-        h2d_pinned_ms=_memory_ps(activity, "pinned") * per_step)
+        h2d_pinned_ms=_memory_ps(activity, "pinned") * per_step,
+        work_ms={kind: length(merge(ivs)) * per_step for kind, ivs in activity.work.items()})
 
 
 def _memory_ps(activity: GpuActivity, memory: str) -> int:
@@ -150,6 +155,9 @@ def mean_breakdown(replicas: Sequence[ReplicaBreakdown]) -> ReplicaBreakdown:
     """The replicas' mean breakdown (plane "mean"), the figure the verdict reads."""
     if not replicas:
         raise ValueError("mean_breakdown needs at least one replica")
-    numeric = [f.name for f in dataclasses.fields(ReplicaBreakdown) if f.name not in ("plane", "top_kernels")]
+    numeric = [f.name for f in dataclasses.fields(ReplicaBreakdown)
+               if f.name not in ("plane", "top_kernels", "work_ms")]
     means = {name: sum(getattr(r, name) for r in replicas) / len(replicas) for name in numeric}
-    return ReplicaBreakdown(plane="mean", top_kernels=replicas[0].top_kernels, **means)
+    kinds = dict.fromkeys(kind for r in replicas for kind in r.work_ms)
+    work = {kind: sum(r.work_ms.get(kind, 0.0) for r in replicas) / len(replicas) for kind in kinds}
+    return ReplicaBreakdown(plane="mean", top_kernels=replicas[0].top_kernels, work_ms=work, **means)

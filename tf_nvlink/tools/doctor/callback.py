@@ -132,7 +132,8 @@ def _dtype_bytes(dtype) -> int:
 
 class StepDoctor(keras.callbacks.Callback):
     """Profiles `window_steps` training steps after `warmup_steps`, and reports per replica where the step
-    time goes (compute, exposed and hidden all-reduce, input copies, GPU idle, each fit call's fixed cost),
+    time goes (compute, exposed and hidden all-reduce, input copies, GPU idle, each fit call's fixed cost; the
+    kernels' time by kind of work: matmul, attention, normalisation, elementwise, optimizer, loss, ...),
     the NVLink bytes per step, a verdict (host-, input-, link- or compute-bound) with the one or two changes
     predicted to help most, scaling on 2/4/8 GPUs and what NVLink buys.
 
@@ -148,6 +149,9 @@ class StepDoctor(keras.callbacks.Callback):
         replica_overhead_ms: per-step cost of each extra replica in the scaling predictions.
         verbose: print the table when the report is ready.
         chart: write step_doctor.png and its TensorBoard image (with matplotlib; False: neither).
+        model_flops_per_step: the model's FLOPs in one training step over all replicas (e.g.
+            `bench_models.transformer_flops_per_step`): the report then has the model's TFLOP/s and MFU ("mfu")
+            against the bf16 dense peak of the GPU the trace names (`tf_nvlink.plan.gpu_peaks`).
         nvml: a pynvml stand-in (tests).
 
     After the window: `report` (the dict, also `model.history.step_doctor`), `unavailable`
@@ -163,12 +167,18 @@ class StepDoctor(keras.callbacks.Callback):
     def __init__(self, warmup_steps: int = 20, window_steps: int = 10, output_dir: Optional[str] = None,
                  global_batch: int = 0, gpus: Optional[Sequence[int]] = None, log_dir: Optional[str] = None,
                  replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS, verbose: bool = True,
-                 nvml: Any = None, chart: bool = True):
+                 nvml: Any = None, chart: bool = True, model_flops_per_step: Optional[float] = None):
         super().__init__()
         self.warmup_steps = _positive_int("warmup_steps", warmup_steps)
         self.window_steps = _positive_int("window_steps", window_steps)
         if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 0:
             raise ValueError(f"global_batch should be a non-negative integer. Received: {global_batch!r}")
+        if model_flops_per_step is not None and (isinstance(model_flops_per_step, bool)
+                                                 or not isinstance(model_flops_per_step, (int, float))
+                                                 or not model_flops_per_step > 0):
+            raise ValueError(f"model_flops_per_step should be a positive number of FLOPs (or None: no MFU). "
+                             f"Received: {model_flops_per_step!r}")
+        self.model_flops_per_step = model_flops_per_step
         self.output_dir = output_dir or tempfile.mkdtemp(prefix="step_doctor_")
         self.global_batch, self.gpus, self.log_dir = global_batch, gpus, log_dir
         self.replica_overhead_ms, self.verbose, self.nvml, self.chart = replica_overhead_ms, verbose, nvml, chart
@@ -304,7 +314,8 @@ class StepDoctor(keras.callbacks.Callback):
         report, why = diagnose_trace(self.profile_dir, step_ms=finished["step_ms"], steps=finished["steps"],
                                      calls=finished["calls"], context=context,
                                      nvlink_bytes_per_step=finished["nvlink_bytes"],
-                                     replica_overhead_ms=self.replica_overhead_ms)
+                                     replica_overhead_ms=self.replica_overhead_ms,
+                                     model_flops_per_step=self.model_flops_per_step)
         report["nvlink_bytes_per_step"] = finished["nvlink_bytes"]
         report["fit_call"] = {"fixed_ms": round(self._before_first_batch_ms, 3),
                               "measured": "from on_train_begin to the first batch of the window's fit"}

@@ -1,5 +1,6 @@
 """`tf-nvlink doctor` (also `python -m tf_nvlink.tools.doctor`): one fit of a benchmark model with the step
-doctor; prints its table and writes step_doctor.json/.png to --output_dir.
+doctor; prints its table and writes step_doctor.json/.png to --output_dir. For the Transformers the report has the
+model's MFU (`bench_models.transformer_flops_per_step`).
 
     tf-nvlink doctor --model resnet50 --batch_per_replica 128 --output_dir doctor
     tf-nvlink doctor --model resnet50 --log_dir logs     # then: tensorboard --logdir logs (Profile tab)
@@ -12,7 +13,7 @@ import argparse
 import importlib.util
 from typing import Optional, Sequence
 
-from tf_nvlink.tools.bench_models import BENCH_MODELS
+from tf_nvlink.tools.bench_models import BENCH_MODELS, model_flops_per_step
 from tf_nvlink.util.cli_args import non_negative, positive, require_module, run_as_module, usage_error
 
 HELP = "one fit of a benchmark model with the step doctor: where the step time goes, a verdict and advice"
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     model, dataset, global_batch = bench.build(args.model, strategy, args.batch_per_replica,
                                                args.steps_per_execution)
     doctor = bench.doctor_fit(model, dataset, global_batch, args.output_dir, args.warmup_steps, args.window_steps,
-                              log_dir=args.log_dir, chart=chart)
+                              log_dir=args.log_dir, chart=chart,
+                              model_flops_per_step=model_flops_per_step(args.model, global_batch))
     print(f"step doctor: {doctor.files.get('json')}" + (f" ({doctor.unavailable})" if doctor.unavailable else ""))
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from tf_nvlink.plan import gpu_peaks
 from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
 from tf_nvlink.tools.doctor.breakdown import mean_breakdown, replica_breakdown
 from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
@@ -74,10 +75,28 @@ def input_copy(mean: dict, context: StepContext) -> Optional[dict]:
             "host_memory": memory, "host_memory_from": source, "note": note}
 
 
+def model_utilisation(model_flops_per_step: float, mean: dict, gpu_name: str, replicas: int) -> dict:
+    """The report's "mfu": the model's TFLOP/s per GPU and its MFU over the window's step (`gpu_peaks.utilisation`),
+    and `mfu_of_kernel_time`, the MFU were the step only its kernels' time (`compute_ms`: what the GPU idle costs).
+
+    Example:
+        >>> model_utilisation(8.854e12, {"step_ms": 42.3, "compute_ms": 35.0}, "NVIDIA H100 80GB HBM3", 1)["mfu"]
+        0.2116
+    """
+    entry = gpu_peaks.utilisation(model_flops_per_step, mean["step_ms"] / 1e3, gpu_name, replicas)
+    kernels = gpu_peaks.mfu(model_flops_per_step, mean["compute_ms"] / 1e3, gpu_name, replicas) \
+        if mean.get("compute_ms", 0) > 0 else None
+    entry["mfu_of_kernel_time"] = round(kernels, 4) if kernels is not None else None
+    return entry
+
+
 def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepContext,
                    nvlink_bytes_per_step: Optional[float] = None,
-                   replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS) -> tuple[dict, Optional[str]]:
-    """(report, None), or ({"unavailable": why}, why) when the XSpace has no GPU activity."""
+                   replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS,
+                   model_flops_per_step: Optional[float] = None) -> tuple[dict, Optional[str]]:
+    """(report, None), or ({"unavailable": why}, why) when the XSpace has no GPU activity. With the model's FLOPs per
+    step (over all replicas), the report's "mfu" (`model_utilisation`) against the peak of the GPU the trace
+    names."""
     activity = gpu_activity(space)
     if not activity:
         why = (f"the trace has no GPU activity (planes: {', '.join(host_plane_names(space)) or 'none'}): the "
@@ -87,21 +106,27 @@ def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepC
     mean = mean_breakdown(replicas)
     verdict = diagnose(mean, context)
     measured_bytes = nvlink_bytes_per_step if isinstance(nvlink_bytes_per_step, (int, float)) else None
-    return {"replicas": [r.to_dict() for r in replicas], "mean": mean.to_dict(), "verdict": verdict.to_dict(),
-            "scaling": scaling(mean, context, replica_overhead_ms=replica_overhead_ms),
-            "nvlink": nvlink_answer(mean, context, measured_bytes), "context": context_dict(context),
-            "input_copy": input_copy(mean.to_dict(), context)}, None
+    report = {"replicas": [r.to_dict() for r in replicas], "mean": mean.to_dict(), "verdict": verdict.to_dict(),
+              "scaling": scaling(mean, context, replica_overhead_ms=replica_overhead_ms),
+              "nvlink": nvlink_answer(mean, context, measured_bytes), "context": context_dict(context),
+              "input_copy": input_copy(mean.to_dict(), context)}
+    if model_flops_per_step:
+        gpu_name = next(iter(activity.values())).device_name
+        report["mfu"] = model_utilisation(model_flops_per_step, report["mean"], gpu_name, context.replicas)
+    return report, None
 
 
 def diagnose_trace(profile_dir: str, step_ms: float, steps: int, calls: int, context: StepContext,
                    nvlink_bytes_per_step: Optional[float] = None,
-                   replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS) -> tuple[dict, Optional[str]]:
+                   replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS,
+                   model_flops_per_step: Optional[float] = None) -> tuple[dict, Optional[str]]:
     """`diagnose_space` of the newest trace under `profile_dir` (its path in report["trace"])."""
     try:
         path = find_trace(profile_dir)
         space = load_space(path)
     except TraceError as exc:
         return {"unavailable": str(exc), "context": context_dict(context)}, str(exc)
-    report, why = diagnose_space(space, step_ms, steps, calls, context, nvlink_bytes_per_step, replica_overhead_ms)
+    report, why = diagnose_space(space, step_ms, steps, calls, context, nvlink_bytes_per_step, replica_overhead_ms,
+                                 model_flops_per_step)
     report["trace"] = path
     return report, why

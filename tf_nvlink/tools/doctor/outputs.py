@@ -1,10 +1,11 @@
 """The doctor's report as people read it: a short text table, a JSON file, a PNG bar chart, and TensorBoard
 summaries (scalars, the table as text, the chart as an image).
 
-A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane), "mean", "verdict",
-"nvlink", "scaling", "context", "input_copy", "trace", "nvlink_bytes_per_step", "fit_call", "window", "doctor_hooks_s" and
-"optimizer_states" (the strategy's mode and the optimizer's memory rows); without a breakdown, "unavailable" (why)
-instead of the first five.
+A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane, with "work_ms": the
+kernels' ms per step by kind of work), "mean", "verdict", "nvlink", "scaling", "context", "input_copy", "trace",
+"nvlink_bytes_per_step", "fit_call", "window", "doctor_hooks_s", "optimizer_states" (the strategy's mode and the
+optimizer's memory rows) and, given the model's FLOPs, "mfu"; without a breakdown, "unavailable" (why) instead of the
+first five.
 
 Example:
     >>> print(render_table(doctor.report))
@@ -18,7 +19,8 @@ import logging
 import os
 from typing import Optional
 
-from tf_nvlink.plan import optimizer_sharding
+from tf_nvlink.plan import gpu_peaks, optimizer_sharding
+from tf_nvlink.tools.doctor.work_kinds import WORK_KINDS
 from tf_nvlink.util import atomic_files
 from tf_nvlink.util.atomic_files import write_atomic
 
@@ -37,6 +39,14 @@ def render_table(report: dict) -> str:
     for key, label in (("step_ms", "step"),) + PARTS + peer + (("h2d_ms", "input copy total"),
                                                                 ("per_call_gap_ms", "gap per call"),):
         lines.append(f"{label:<24}" + "".join(f"{r[key]:>10.2f}" for r in replicas))
+    kinds = [kind for kind in WORK_KINDS if any((r.get("work_ms") or {}).get(kind) for r in replicas)]
+    if kinds:
+        lines.append("by kind of work")
+        for kind in kinds:
+            lines.append(f"  {kind:<22}" + "".join(f"{(r.get('work_ms') or {}).get(kind, 0.0):>10.2f}"
+                                                   for r in replicas))
+    if report.get("mfu"):
+        lines.append(mfu_line(report["mfu"]))
     copy = report.get("input_copy")
     if copy:
         lines.append(f"input copy: {copy['bytes_per_step'] / 2**20:.1f} MiB per step per replica in "
@@ -64,6 +74,26 @@ def render_table(report: dict) -> str:
     if states:
         lines.append(optimizer_states_line(states))
     return "\n".join(lines)
+
+
+def mfu_line(entry: dict) -> str:
+    """The report's "mfu" in one line: the model's FLOPs per step, its TFLOP/s per GPU and the MFU against the GPU's
+    bf16 dense peak, or why there is no MFU.
+
+    Example:
+        >>> print(mfu_line({"model_flops_per_step": 8.854e12, "tflops_per_gpu": 209.3, "gpu": "NVIDIA H100 PCIe",
+        ...                 "peak_label": "H100 PCIe", "peak_tflops": 756.5, "mfu": 0.2767}))
+        model FLOPs 8.854 TFLOP a step: 209.3 TFLOP/s per GPU, MFU 27.7% of the H100 PCIe's 756.5 TFLOP/s (bf16 dense)
+    """
+    line = (f"model FLOPs {entry['model_flops_per_step'] / 1e12:.3f} TFLOP a step: {entry['tflops_per_gpu']:.1f} "
+            f"TFLOP/s per GPU, ")
+    if entry.get("mfu") is None:
+        return line + f"MFU n/a (the GPU {entry.get('gpu')!r} is not in tf_nvlink.plan.gpu_peaks)"
+    line += (f"MFU {gpu_peaks.mfu_text(entry['mfu'])} of the {entry['peak_label']}'s {entry['peak_tflops']:g} "
+             f"TFLOP/s (bf16 dense)")
+    if entry.get("mfu_of_kernel_time") is not None:
+        line += f"; on the kernels' time alone {gpu_peaks.mfu_text(entry['mfu_of_kernel_time'])}"
+    return line
 
 
 def optimizer_states_line(states: dict) -> str:
@@ -129,7 +159,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_tensorboard(report: dict, log_dir: str, step: int, chart: Optional[str] = None) -> str:
-    """Under <log_dir>/step_doctor: the mean breakdown and the advice's predicted gains as scalars, the table and
+    """Under <log_dir>/step_doctor: the mean breakdown (its parts, the ms of each kind of work and, given the model's
+    FLOPs, the MFU) and the advice's predicted gains as scalars, the table and
     verdict as text (`step_doctor/verdict`; without a breakdown, why) and the chart PNG, when given, as an image
     (`step_doctor/chart`)."""
     import tensorflow as tf  # noqa: PLC0415
@@ -140,6 +171,10 @@ def write_tensorboard(report: dict, log_dir: str, step: int, chart: Optional[str
         if "unavailable" not in report:
             for key, _ in (("step_ms", "step"),) + PARTS:
                 tf.summary.scalar(f"step_doctor/{key}", report["mean"][key])
+            for kind, ms in (report["mean"].get("work_ms") or {}).items():
+                tf.summary.scalar(f"step_doctor/work_{kind}_ms", ms)
+            if (report.get("mfu") or {}).get("mfu") is not None:
+                tf.summary.scalar("step_doctor/mfu", report["mfu"]["mfu"])
             for index, advice in enumerate(report["verdict"]["advice"]):
                 tf.summary.scalar(f"step_doctor/advice{index}_predicted_gain", advice["gain"])
         tf.summary.text("step_doctor/verdict", render_markdown(report))

@@ -10,6 +10,8 @@ A copy is classified by what the trace says of it: CUPTI names each copy event b
 (`kind_src:pageable kind_dst:device size:19267584 dest:0 async:1`): the memory on each side (`pageable`, `pinned`,
 `device`, `managed`, ...) and the bytes. Peer-to-peer copies (`MemcpyP2P`, what `reduce_to_one` and `hierarchical`
 all-reduces are made of) are communication, kind "p2p". Kernels and events without the stat keep the name rules.
+Beside these kinds, each event gets its kind of work (matmul, attention, normalisation, ...: `work_kinds`, from
+the kernel's name, its HLO instruction and its TensorFlow op's name scope).
 
 Example:
     >>> activity = read_gpu_activity(find_trace("/tmp/doctor/profile"))
@@ -25,6 +27,8 @@ import gzip
 import os
 import shutil
 from typing import Optional
+
+from tf_nvlink.tools.doctor import work_kinds
 
 KINDS = ("compute", "collective", "p2p", "h2d", "d2h", "d2d")
 # CUPTI's names of copy events (TensorFlow's cupti_collector) -> kind. MemcpyOther is read from memcpy_details.
@@ -117,13 +121,17 @@ class GpuActivity:
     """What one GPU plane of a trace holds: per kind, the (start_ps, end_ps) of every event, and the summed
     duration of each event name (for the busiest kernels). `h2d_memory`: the host-to-device copies by the host
     memory their memcpy_details names ("pageable", "pinned", "managed", ..., "unknown" without the stat);
-    `copy_bytes`: the bytes the stat gives per copy kind."""
+    `copy_bytes`: the bytes the stat gives per copy kind; `work`: per kind of work (`work_kinds.WORK_KINDS`) the
+    (start_ps, end_ps) of its events; `device_name`: the GPU's name as the plane's `gpu_device_name` stat gives it
+    ("NVIDIA H200"; "" without it)."""
 
     plane: str
     intervals: dict[str, list[tuple[int, int]]]
     time_by_name: dict[str, int]
     h2d_memory: dict[str, CopyTotal] = dataclasses.field(default_factory=dict)
     copy_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    work: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    device_name: str = ""
 
     @property
     def events(self) -> int:
@@ -170,15 +178,25 @@ def load_space(path: str):
     return space
 
 
+# The stats of a kernel event that name its HLO instruction and its TensorFlow op (work_kinds.KernelEvent's fields)
+_KERNEL_STATS = {"hlo_op": "hlo_op", "name": "tf_op_name", "program_id": "program_id", "hlo_module": "module_name"}
+
+
 def gpu_activity(space) -> dict[str, GpuActivity]:
     """{plane name: GpuActivity} for every `/device:GPU:N` plane with events on its `Stream` lines, by GPU number."""
     found = {}
+    index = None
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU:"):
             continue
+        if index is None:
+            index = work_kinds.HloIndex.from_space(space)
         names = {key: meta.name for key, meta in plane.event_metadata.items()}
         details_ids = {key for key, meta in plane.stat_metadata.items() if meta.name == "memcpy_details"}
+        kernel_stat_ids = {key: _KERNEL_STATS[meta.name] for key, meta in plane.stat_metadata.items()
+                           if meta.name in _KERNEL_STATS}
         intervals: dict[str, list[tuple[int, int]]] = {kind: [] for kind in KINDS}
+        work: dict[str, list[tuple[int, int]]] = {kind: [] for kind in work_kinds.WORK_KINDS}
         time_by_name: dict[str, int] = {}
         h2d_memory: dict[str, CopyTotal] = {}
         copy_bytes: dict[str, int] = {}
@@ -186,11 +204,14 @@ def gpu_activity(space) -> dict[str, GpuActivity]:
             if not line.name.startswith("Stream"):
                 continue  # "XLA Ops", "XLA Modules", "Launch Stats": annotations over the same kernels
             base_ps = line.timestamp_ns * 1000
-            for event in line.events:
+            events = sorted(line.events, key=lambda e: e.offset_ps)
+            kernels = []
+            for event in events:
                 name = names.get(event.metadata_id, "")
                 start = base_ps + event.offset_ps
                 details = _stat_text(plane, event, details_ids) if details_ids else None
                 kind = classify(name, details)
+                kernels.append(work_kinds.KernelEvent(name, kind, **_kernel_stats(plane, event, kernel_stat_ids)))
                 interval = (start, start + event.duration_ps)
                 intervals[kind].append(interval)
                 time_by_name[name] = time_by_name.get(name, 0) + event.duration_ps
@@ -204,7 +225,11 @@ def gpu_activity(space) -> dict[str, GpuActivity]:
                         total.bytes += size
                         total.duration_ps += event.duration_ps
                         total.intervals.append(interval)
-        activity = GpuActivity(plane.name, intervals, time_by_name, h2d_memory, copy_bytes)
+            for event, work_kind in zip(events, work_kinds.classify_stream(index, kernels)):
+                start = base_ps + event.offset_ps
+                work[work_kind].append((start, start + event.duration_ps))
+        activity = GpuActivity(plane.name, intervals, time_by_name, h2d_memory, copy_bytes, work,
+                               str(_plane_stat(plane, "gpu_device_name") or ""))
         if activity.events:
             found[plane.name] = activity
     return dict(sorted(found.items(), key=lambda item: _plane_number(item[0])))
@@ -219,6 +244,36 @@ def _stat_text(plane, event, stat_ids) -> Optional[str]:
                 return stat.str_value
             if stat.HasField("ref_value") and stat.ref_value in plane.stat_metadata:
                 return plane.stat_metadata[stat.ref_value].name
+    return None
+
+
+def _kernel_stats(plane, event, stat_ids: dict) -> dict:
+    """The KernelEvent fields an event's stats give (`_KERNEL_STATS`), strings and program ids as they are stored."""
+    found = {}
+    for stat in event.stats:
+        field = stat_ids.get(stat.metadata_id)
+        if field is None:
+            continue
+        which = stat.WhichOneof("value")
+        if which == "ref_value":
+            meta = plane.stat_metadata.get(stat.ref_value)
+            found[field] = meta.name if meta is not None else None
+        elif which is not None:
+            found[field] = getattr(stat, which)
+    if found.get("program_id") is not None:
+        found["program_id"] = int(found["program_id"])
+    return found
+
+
+def _plane_stat(plane, name: str):
+    """The value of the plane's own stat `name` (e.g. `gpu_device_name`), or None."""
+    ids = {key for key, meta in plane.stat_metadata.items() if meta.name == name}
+    for stat in plane.stats:
+        if stat.metadata_id in ids:
+            which = stat.WhichOneof("value")
+            if which == "ref_value":
+                return plane.stat_metadata[stat.ref_value].name if stat.ref_value in plane.stat_metadata else None
+            return getattr(stat, which) if which else None
     return None
 
 

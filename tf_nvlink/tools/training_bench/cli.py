@@ -60,7 +60,8 @@ from tf_nvlink.util.cli_args import command_line, non_negative, positive, run_as
 from tf_nvlink.util.error_lines import one_line_error
 
 MODELS = bench_models.BENCH_MODELS  # built by bench_models.build_bench_model
-DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_tiny": 4}  # per replica
+DEFAULT_BATCH = {"mlp": 1024, "resnet50": 128, "convnet": 64, "transformer": 8, "transformer_2048": 2,
+                 "transformer_tiny": 4}  # per replica
 IMAGE_MODELS, INPUTS = bench_models.IMAGE_MODELS, bench_models.INPUTS  # uint8-fed models; host- or device-held input
 # Step-option modifier -> (what the table's ratio line calls it, True when the modifier turns the option ON).
 KNOB_LINES = {"nolhs": ("latency-hiding scheduler on/off", False),

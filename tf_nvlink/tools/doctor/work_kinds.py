@@ -1,0 +1,294 @@
+"""What kind of work each GPU kernel of a profiled step does, read from what an XLA GPU trace carries per kernel.
+
+Kinds (WORK_KINDS): matmul, attention, normalisation, elementwise, optimizer (the optimizer's update), loss,
+collective, copy, other.
+
+What the trace carries:
+- each kernel's name: library kernels (cuBLAS/cuBLASLt `sm90_xmma_gemm_...`, `nvjet_...`, `cutlass...`; cuDNN
+  convolutions `sm80_xmma_fprop_implicit_gemm...`; cuDNN fused attention
+  `cudnn_generated_fort_native_sdpa_sm90_flash_fprop...` / `..._bprop...`), XLA's own kernels (its fusions,
+  `loop_add_fusion_3`, `input_reduce_fusion_12`, `triton_gemm_dot_4`, and `wrapped_*`), NCCL's kernels, CUPTI's
+  copies and memsets;
+- a kernel launched on its own has the stats `hlo_op` (its HLO instruction: `loop_add_fusion.3`,
+  `cudnn-conv-bias-activation.198`) and `name` (the TensorFlow op it came from, with its name scope:
+  `model/block3_attention_1/softmax_1/Softmax`); a kernel XLA runs inside a CUDA graph (a command buffer) has
+  `hlo_op` "command_buffer" and no `name`;
+- the `/host:metadata` plane holds each program's optimized HLO (`tf_runtime.hlo_protobuf_module`): every
+  instruction's `metadata.op_name`, what a fusion fused, a custom call's target, and each computation's schedule.
+
+A kernel's HLO instruction: its `hlo_op` stat; else, for an XLA kernel, the instruction whose name it is ("." and
+"-" written "_"); else, for a library kernel inside a command buffer, its place: the custom calls the schedule runs
+after the instruction of the kernel before it on its stream and before the next fusion (the k-th library kernel
+after that kernel takes the k-th call; where the calls are all of one kind, that kind). Its op names: the
+instruction's op_name and those of the instructions fused into it (XLA gives a fusion the op_name of one root, at
+times only "XLA_Retvals"); without the HLO, the `name` stat.
+
+The rules, the first that matches wins (the name scope's parts are read without Keras' "_1" suffixes):
+1. collective: NCCL and all-reduce kernels, peer-to-peer copies; copy: other copies and memsets (`trace.classify`);
+2. attention: fused attention kernels by name (fmha, flash, sdpa, fused_mha, attention), cuDNN's fMHA custom calls;
+3. optimizer: an op name in an optimizer's scope (as Keras names it: sgd, adam, adam_w, lion, ...);
+4. loss: an op name in the loss's scope (compile_loss, loss, *crossentropy*);
+5. attention: an op name inside an attention layer (a scope part containing "attention") and not inside its
+   projections (query, key, value, attention_output, q_proj, ...): the scores, mask, softmax and weighted sum,
+   forward and backward, whether XLA runs them as gemms or fusions;
+6. matmul: gemm and convolution kernels by name (gemm, nvjet, cutlass, xmma, hmma, cublas, cudnn, cask), cuBLAS, cuDNN
+   convolution custom calls, dots and convolutions, fusions holding one (Triton gemms);
+7. normalisation: an op name inside a normalisation layer (layer_normalization, *_ln, *_bn, *norm*, batchnorm);
+8. elementwise: any other XLA kernel (elementwise ops, reductions, transposes, casts, gathers: GELU, residual adds,
+   bias gradients, embedding lookups);
+9. other: the rest (library kernels with neither a known name nor an instruction).
+
+Limits: the scope rules read the layers' names, so a model whose attention or normalisation layers are named
+otherwise has those kernels counted as matmul and elementwise; a fusion holding ops of several kinds counts once, by
+the first rule one of its op names meets (an optimizer update fused with the cast of the weight for the next step
+counts as optimizer); the place of a library kernel in a command buffer assumes one main kernel per custom call
+(kernels named *reduce*, *memcpy*, *memset* or *epilogue* go with the one before them); without the HLO in the
+trace, a command buffer's gemms count as matmul, whatever layer they belong to.
+
+Example:
+    >>> kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", None, "model/block0_ffn_in_1/Tensordot")
+    'matmul'
+    >>> kind_of("loop_divide_fusion_4", None, "model/block0_attention_1/softmax_1/Softmax")
+    'attention'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Iterable, Optional, Sequence
+
+WORK_KINDS = ("matmul", "attention", "normalisation", "elementwise", "optimizer", "loss", "collective", "copy",
+              "other")
+# Keras' names of its optimizers (their name scope in the step)
+OPTIMIZER_SCOPES = frozenset({"sgd", "adam", "adam_w", "adamw", "adamax", "adadelta", "adagrad", "adafactor", "ftrl",
+                              "lamb", "lion", "nadam", "rmsprop", "muon", "loss_scale_optimizer"})
+# The projections inside an attention layer (Keras' MultiHeadAttention, and the usual names elsewhere): matmul work.
+ATTENTION_PROJECTIONS = frozenset({"query", "key", "value", "attention_output", "q_proj", "k_proj", "v_proj",
+                                   "o_proj", "out_proj", "qkv", "qkv_proj"})
+_FUSED_ATTENTION = re.compile(r"fmha|flash|sdpa|fused_mha|attention")
+_MATMUL_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|hmma|cublas|cudnn|cask")
+_XLA_KERNEL = re.compile(r"fusion|^wrapped_")
+_AUXILIARY = re.compile(r"reduce|memcpy|memset|epilogue")
+_NORMALISATION = re.compile(r"(^|_)(ln|bn|norm|layernorm|batchnorm|rmsnorm|groupnorm)\d*$|normali[sz]ation|"
+                            r"layer_norm|batch_norm|rms_norm|group_norm")
+_NOT_AN_OP = ("", "XLA_Args", "XLA_Retvals")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloOp:
+    """One instruction of a program's HLO as the rules read it: its name, opcode, custom-call target, op names (its
+    own first, then those of the instructions fused into it) and whether it is a matmul (a dot, a convolution, a
+    cuBLAS or cuDNN-convolution call, or a fusion holding a dot or convolution)."""
+
+    name: str
+    opcode: str
+    target: str
+    op_names: tuple[str, ...]
+    matmul: bool
+
+
+@dataclasses.dataclass
+class HloModule:
+    """One program: its instructions by name, its XLA kernels by kernel name, and for each instruction that launches
+    work the custom calls its computation's schedule runs after it and before the next fusion."""
+
+    ops: dict[str, HloOp]
+    by_kernel: dict[str, HloOp]
+    calls_after: dict[str, tuple[HloOp, ...]]
+
+
+def kernel_name_of(instruction_name: str) -> str:
+    """The name XLA gives the kernel of an instruction: "." and "-" written "_".
+
+    Example:
+        >>> kernel_name_of("input_reduce_fusion.142")
+        'input_reduce_fusion_142'
+    """
+    return re.sub(r"[.\-]", "_", instruction_name)
+
+
+def scope_parts(op_name: str) -> list[str]:
+    """The parts of a TensorFlow op name, each without the "_N" TensorFlow appends to repeated scopes.
+
+    Example:
+        >>> scope_parts("gradient_tape/model_1/block0_ln1_1/moments/mean")
+        ['gradient_tape', 'model', 'block0_ln1', 'moments', 'mean']
+    """
+    return [re.sub(r"_\d+$", "", part) for part in op_name.split("/") if part]
+
+
+def _attention_core(parts: Sequence[str]) -> bool:
+    inside = [i for i, part in enumerate(parts) if "attention" in part and part not in ATTENTION_PROJECTIONS]
+    return bool(inside) and not any(part in ATTENTION_PROJECTIONS for part in parts[inside[-1] + 1:])
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a step repeats its kernels: each (name, instruction, op name) once
+def kind_of(kernel_name: str, op: Optional[HloOp], tf_op_name: Optional[str] = None,
+            trace_kind: str = "compute") -> str:
+    """The work kind of one kernel from its name, its HLO instruction (or None) and the TensorFlow op name of its
+    `name` stat (or None); `trace_kind` is `trace.classify`'s kind of the event (copies and collectives).
+
+    Example:
+        >>> kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL", None, trace_kind="collective")
+        'collective'
+    """
+    if trace_kind in ("collective", "p2p"):
+        return "collective"
+    if trace_kind in ("h2d", "d2h", "d2d"):
+        return "copy"
+    low = kernel_name.lower()
+    if _FUSED_ATTENTION.search(low) or (op is not None and "fmha" in op.target.lower()):
+        return "attention"
+    names = op.op_names if op is not None and op.op_names else ((tf_op_name,) if tf_op_name else ())
+    parts = [scope_parts(name) for name in names]
+    if any(part in OPTIMIZER_SCOPES for each in parts for part in each):
+        return "optimizer"
+    if any(part == "compile_loss" or part == "loss" or "crossentropy" in part for each in parts for part in each):
+        return "loss"
+    if any(_attention_core(each) for each in parts):
+        return "attention"
+    if _MATMUL_KERNEL.search(low) or (op is not None and op.matmul):
+        return "matmul"
+    if any(_NORMALISATION.search(part) for each in parts for part in each):
+        return "normalisation"
+    if op is not None or _XLA_KERNEL.search(low):
+        return "elementwise"
+    return "other"
+
+
+def _is_matmul(instruction, fused_opcodes: Iterable[str]) -> bool:
+    target = instruction.custom_call_target
+    return (instruction.opcode in ("dot", "convolution") or target.startswith("__cublas")
+            or target.startswith("__cudnn$conv") or any(code in ("dot", "convolution") for code in fused_opcodes))
+
+
+def hlo_module(proto) -> HloModule:
+    """The HloModule of an `HloProto` (`tf_runtime.hlo_protobuf_module().HloProto`)."""
+    module = proto.hlo_module
+    computations = {c.id: c for c in module.computations}
+    fused = {cid for c in module.computations for i in c.instructions if i.opcode == "fusion"
+             for cid in i.called_computation_ids}
+
+    def inside(computation_ids, seen):
+        names, opcodes = [], []
+        for cid in computation_ids:
+            if cid in seen or cid not in computations:
+                continue
+            seen.add(cid)
+            for instruction in computations[cid].instructions:
+                names.append(instruction.metadata.op_name)
+                opcodes.append(instruction.opcode)
+                deeper = inside(instruction.called_computation_ids, seen)
+                names += deeper[0]
+                opcodes += deeper[1]
+        return names, opcodes
+
+    ops, by_kernel, by_id = {}, {}, {}
+    for computation in module.computations:
+        if computation.id in fused:
+            continue
+        for instruction in computation.instructions:
+            fused_names, fused_opcodes = inside(instruction.called_computation_ids, set()) \
+                if instruction.opcode == "fusion" else ([], [])
+            names = tuple(dict.fromkeys(n for n in [instruction.metadata.op_name, *fused_names] if n not in _NOT_AN_OP))
+            op = HloOp(instruction.name, instruction.opcode, instruction.custom_call_target, names,
+                       _is_matmul(instruction, fused_opcodes))
+            ops[op.name] = by_id[instruction.id] = op
+            by_kernel.setdefault(kernel_name_of(op.name), op)
+    calls_after: dict[str, tuple[HloOp, ...]] = {}
+    for sequence in module.schedule.sequences.values():
+        scheduled = [by_id[i] for i in sequence.instruction_ids if i in by_id]
+        for position, op in enumerate(scheduled):
+            if op.opcode not in ("fusion", "custom-call"):
+                continue
+            following = []
+            for later in scheduled[position + 1:]:
+                if later.opcode == "fusion":
+                    break
+                if later.opcode == "custom-call" or later.matmul:
+                    following.append(later)
+            calls_after[op.name] = tuple(following)
+    return HloModule(ops, by_kernel, calls_after)
+
+
+class HloIndex:
+    """The programs of a trace's `/host:metadata` plane, by program id and by module name.
+
+    Example:
+        >>> index = HloIndex.from_space(space)
+        >>> index.module(1908, "").ops["loop_multiply_fusion.6"].op_names[0]
+        'resnet50_host_fed_1/uint8_to_float_1/mul'
+    """
+
+    def __init__(self, modules: Optional[dict] = None):
+        self.modules: dict = modules or {}
+
+    @classmethod
+    def from_space(cls, space) -> "HloIndex":
+        """Every `Hlo Proto` stat of the space's `/host:metadata` plane (none: an empty index)."""
+        from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - TensorFlow only when a trace is read
+
+        modules = {}
+        for plane in space.planes:
+            if plane.name != "/host:metadata":
+                continue
+            proto_stats = {key for key, meta in plane.stat_metadata.items() if meta.name == "Hlo Proto"}
+            for program_id, metadata in plane.event_metadata.items():
+                for stat in metadata.stats:
+                    if stat.metadata_id in proto_stats and stat.bytes_value:
+                        proto = tf_runtime.hlo_protobuf_module().HloProto()
+                        proto.ParseFromString(stat.bytes_value)
+                        module = hlo_module(proto)
+                        modules[int(program_id)] = modules[proto.hlo_module.name] = module
+        return cls(modules)
+
+    def module(self, program_id: Optional[int], module_name: Optional[str]) -> Optional[HloModule]:
+        return self.modules.get(program_id) or self.modules.get(module_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEvent:
+    """What a stream's event says of itself: its name, `trace.classify`'s kind, and its stats `hlo_op`, `name`,
+    `program_id` and `hlo_module` (None where absent)."""
+
+    name: str
+    trace_kind: str
+    hlo_op: Optional[str] = None
+    tf_op_name: Optional[str] = None
+    program_id: Optional[int] = None
+    module_name: Optional[str] = None
+
+
+def classify_stream(index: HloIndex, events: Sequence[KernelEvent]) -> list[str]:
+    """The work kind of each event of one stream, `events` in the order they ran (see the module doc).
+
+    Example:
+        >>> classify_stream(HloIndex(), [KernelEvent("loop_add_fusion", "compute"), KernelEvent("MemcpyH2D", "h2d")])
+        ['elementwise', 'copy']
+    """
+    kinds = []
+    calls: tuple[HloOp, ...] = ()
+    taken = -1
+    for event in events:
+        if event.trace_kind != "compute":
+            kinds.append(kind_of(event.name, None, None, event.trace_kind))
+            continue
+        module = index.module(event.program_id, event.module_name)
+        op = None
+        if module is not None:
+            if event.hlo_op and event.hlo_op != "command_buffer":
+                op = module.ops.get(event.hlo_op)
+            else:
+                op = module.by_kernel.get(event.name)
+        low = event.name.lower()
+        if op is not None:
+            calls, taken = module.calls_after.get(op.name, ()), -1
+        elif calls and not _XLA_KERNEL.search(low):
+            if taken < 0 or not _AUXILIARY.search(low):
+                taken += 1
+            kinds_of_calls = {kind_of(event.name, call) for call in calls}
+            op = calls[0] if len(kinds_of_calls) == 1 else calls[min(taken, len(calls) - 1)]
+        kinds.append(kind_of(event.name, op, event.tf_op_name))
+    return kinds
