@@ -20,6 +20,8 @@ after a warm-up fit that compiles:
                program does not wait for, so they run beside it and no element waits for a device-to-host copy;
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
+  unfused      the compiled execution with Keras' own attention (`fused_attention="off"`): "compiled" runs Keras'
+               attention as cuDNN's fused attention where it applies (tf_nvlink.training.fused_attention);
   sharded      the compiled execution with `optimizer_states="sharded"` (each replica holds and updates its share of
                the optimizer's slots; on one GPU the replicated path runs, which this row checks costs nothing);
   torch        resnet50 and the Transformers: the PyTorch peer (benchmarks/torch_peer.py), torch.compile with the
@@ -70,11 +72,11 @@ DEFAULT_BATCH = {"resnet50": 128, "transformer": 8, "transformer_2048": 2, "conv
                  "mlp": 1024}
 DEFAULT_STEPS_PER_EXECUTION = {"resnet50": 16, "transformer": 8, "transformer_2048": 8}
 PEER_WARMUP_STEPS = 15
-SETUPS = ("spe=1", "per-step", "compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident",
+SETUPS = ("spe=1", "per-step", "compiled", "unfused", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident",
           "sharded", "torch")
-COMPILED_SETUPS = ("compiled", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "sharded",
+COMPILED_SETUPS = ("compiled", "unfused", "restaged", "pageable", "count-on-device", "deep", "host-input", "resident", "sharded",
                    "advised")
-PROFILED_SETUPS = ("compiled", "host-input", "deep")  # the doctor profiles those run, after the rounds
+PROFILED_SETUPS = ("compiled", "unfused", "host-input", "deep")  # the doctor profiles those run, after the rounds
 
 _MODELS = flags.DEFINE_list("models", ["resnet50"], f"Any of {list(bench_models.BENCH_MODELS)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of every setup.", lower_bound=1)
@@ -115,11 +117,13 @@ def count_on_device(model) -> None:
 
 def set_plan(strategy, plan, setup: str = "") -> None:
     """Plans switched inside one process: the train function reads it when built, the input at each fit; the
-    optimizer states are sharded for the "sharded" setup (read when its optimizer is built and traced)."""
+    optimizer states are sharded for the "sharded" setup (read when its optimizer is built and traced), and Keras'
+    own attention kept for the "unfused" setup (read when its step is traced)."""
     from tf_nvlink.distribute import base  # noqa: PLC0415
 
     base.attach_plan(strategy, plan)
     base.attach_optimizer_states(strategy, "sharded" if setup == "sharded" else "replicated")
+    base.attach_fused_attention(strategy, "off" if setup == "unfused" else "auto")
 
 
 def build(name, strategy, batch, steps_per_execution, resident=False, optimizer="sgd"):

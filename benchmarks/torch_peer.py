@@ -9,9 +9,7 @@ process with its own CUDA context and no TensorFlow:
   1e-5, biases on every projection, a final LayerNorm, untied logits cast to float32 for the cross-entropy),
   q, k and v as one Linear of 3 x d_model outputs (the weights and FLOPs of Keras' three projections),
   `F.scaled_dot_product_attention(is_causal=True)`, bf16 autocast, `torch.compile` with default options over the
-  model and its loss, fed from 8 distinct pinned int64 host batches, one copied to the GPU every step. The Keras
-  model adds its position table as a constant (its Embedding is called on a constant outside the model's graph), so
-  there it is not trained; here it is (seq_len x d_model more parameters, no model FLOPs).
+  model and its loss, fed from 8 distinct pinned int64 host batches, one copied to the GPU every step.
 
 Both train with the optimizer of `bench_models.BENCH_OPTIMIZERS` the TensorFlow side compiles with: SGD with momentum,
 or AdamW (fused on the GPU) with the same learning rate, betas, epsilon and weight decay.

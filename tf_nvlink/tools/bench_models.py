@@ -63,9 +63,7 @@ def transformer_lm(vocab_size=32000, seq_len=512, d_model=1024, num_layers=24, n
 
     tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
     x = keras.layers.Embedding(vocab_size, d_model, name="token_embedding")(tokens)
-    positions = keras.layers.Embedding(seq_len, d_model, name="position_embedding")(
-        keras.ops.arange(seq_len, dtype="int32"))
-    x = x + positions
+    x = PositionEmbedding(seq_len, d_model, name="position_embedding")(x)
     for i in range(num_layers):
         h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln1")(x)
         h = keras.layers.MultiHeadAttention(num_heads, d_model // num_heads, name=f"block{i}_attention")(
@@ -214,6 +212,35 @@ def build_bench_model(name: str, x, keras, input_mode: str = "host"):
     if name in IMAGE_MODELS:
         features = keras.layers.Rescaling(1 / 255.0, name="uint8_to_float")(features)
     return keras.Model(inputs, body(features), name=f"{name}_{input_mode}_fed")
+
+
+@functools.lru_cache(maxsize=None)
+def _position_embedding_class():
+    import keras  # noqa: PLC0415
+
+    class _PositionEmbedding(keras.layers.Layer):
+        """Adds a trained [seq_len, d_model] table of position vectors (initialised as Keras' `Embedding` is) to
+        the token vectors."""
+
+        def __init__(self, seq_len, d_model, **kwargs):
+            super().__init__(**kwargs)
+            self.seq_len, self.d_model = seq_len, d_model
+
+        def build(self, input_shape):
+            self.embeddings = self.add_weight(shape=(self.seq_len, self.d_model), initializer="uniform",
+                                              name="embeddings")
+
+        def call(self, tokens):
+            return tokens + keras.ops.cast(self.embeddings, tokens.dtype)
+
+    return _PositionEmbedding
+
+
+def PositionEmbedding(seq_len, d_model, **kwargs):  # noqa: N802 - a layer constructor
+    """A Keras layer adding a trained table of `seq_len` position vectors of `d_model` to its [batch, seq_len,
+    d_model] input (GPT's learned positions; Keras' `Embedding` called on `arange(seq_len)` outside the model's
+    graph would be a constant, not trained)."""
+    return _position_embedding_class()(seq_len, d_model, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
