@@ -5,8 +5,9 @@
 #                                                      and the open issues' 2-GPU measurements: scaling spe8
 #                                                      transformer p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu
 #                                                      onegpu8 compiled compiled_transformer compiled_long mfu
+#                                                      mfu2048 attention
 #                                                      (each about 10 minutes or less; one per command; the
-#                                                      compiled ones and mfu on 1 GPU)
+#                                                      compiled ones, mfu, mfu2048 and attention on 1 GPU)
 #
 # Needs TensorFlow with CUDA and 2+ NVIDIA GPUs (PyTorch is optional: the raw NCCL ceiling). The autotune cache
 # goes to OUTDIR/cache, so your own stored winner is neither used nor replaced. About 25 minutes on 2x H200.
@@ -82,14 +83,20 @@ for stage in $stages; do
       run compiled_r50_long "$py" benchmarks/compiled_execution.py --models resnet50 --rounds 5 --steps 192 \
         --nodoctor_n --setups spe=1,per-step,compiled,torch --json "$out/compiled_r50_long.json" \
         --output_dir "$out/doctor_long" ;;
-    mfu)  # the Transformer at 8 x 512 and 2 x 2048 tokens against its PyTorch peer (needs torch), MFU, kinds of work
-      run mfu "$py" benchmarks/compiled_execution.py --models transformer,transformer_2048 --setups compiled,torch \
+    mfu)  # the Transformer at 8 x 512 tokens, fused attention and Keras', against its PyTorch peer (needs torch)
+      run mfu "$py" benchmarks/compiled_execution.py --models transformer --setups compiled,unfused,torch \
         --optimizer adamw --rounds 3 --steps 192 --warmup_steps 16 --json "$out/mfu.json" \
         --output_dir "$out/doctor_mfu" ;;
+    mfu2048)  # the same at 2 x 2048 tokens
+      run mfu2048 "$py" benchmarks/compiled_execution.py --models transformer_2048 --setups compiled,unfused,torch \
+        --optimizer adamw --rounds 3 --steps 192 --warmup_steps 16 --json "$out/mfu2048.json" \
+        --output_dir "$out/doctor_mfu2048" ;;
+    attention)  # attention alone: Keras' against cuDNN's fused, forward and backward, at both shapes
+      run attention "$py" benchmarks/fused_attention_micro.py --rounds 3 --json "$out/attention.json" ;;
     monitor) run nvml_read_cost "$py" benchmarks/nvml_read_cost.py --repeats 30 --rounds 3 --load ;;
     *) echo "unknown stage '$stage'; valid: report allreduce tests mlp resnet50 workers scaling spe8 transformer" \
             "p2poff doctor doctor_transformer cudagraphs loops profile monitor onegpu onegpu8 compiled" \
-            "compiled_transformer compiled_long mfu" >&2; exit 2 ;;
+            "compiled_transformer compiled_long mfu mfu2048 attention" >&2; exit 2 ;;
   esac
 done
 exit $status
