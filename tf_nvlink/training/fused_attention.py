@@ -9,9 +9,10 @@ Keras' own attention runs, and one INFO line per reason says why. `tf_nvlink.str
 keeps Keras' attention everywhere.
 
 The custom calls need fully known shapes, and tf_nvlink traces each replica's step with its batch dimension open
-(`exact_batches.open_batch_dimension`). The rule takes the batch size the trace hides (`thread_state.static_batch`),
-shapes the query, key and value to it, and keeps Keras' attention for any other size at run time in a `tf.cond`
-whose predicate XLA knows when it compiles: a program runs one branch or the other, never both.
+(`exact_batches.open_batch_dimension`). The rule takes the batch size the trace hides (`thread_state.static_batch`)
+for the attention's batch: XLA checks it when it compiles (`tf.ensure_shape`), so a model whose attention runs on
+another batch than its input's (a reshape into the batch) fails to compile, naming both shapes, where it would
+otherwise compute on the wrong rows; such a model trains with `fused_attention="off"`.
 
 Example:
     >>> with tf_nvlink.strategy().scope():          # fused_attention="auto"
@@ -52,7 +53,7 @@ def dot_product_attention(keras_attention: Callable, arguments: dict):
     scale = float(scale) if scale is not None else float(query.shape[-1]) ** -0.5
     causal = facts.mask == "causal"
     batch = query.shape[0] if query.shape[0] is not None else thread_state.current().static_batch
-    return attend(query, key, value, scale, causal, batch, lambda: keras_attention(**arguments))
+    return attend(query, key, value, scale, causal, batch)
 
 
 def call_facts(strategy, query, key, value, arguments: dict) -> attention_plan.AttentionFacts:
@@ -73,33 +74,20 @@ def call_facts(strategy, query, key, value, arguments: dict) -> attention_plan.A
         scale_known=scale is None or isinstance(scale, (int, float)), batch_known=batch_known)
 
 
-def attend(query, key, value, scale: float, causal: bool, batch: int, keras_attention: Callable,
-           kernels: Optional[tuple] = None):
-    """Fused attention of `query` [B, T, N, H] on `key` and `value` [B, S, N, H], B being `batch` where the trace
-    leaves it open: the tensors are shaped to `batch` for the custom calls, and a batch of another size at run time
-    takes `keras_attention()` instead (`tf.cond`). `kernels` (forward, backward) replaces the custom calls (tests
-    on CPU pass reference kernels)."""
+def attend(query, key, value, scale: float, causal: bool, batch: int, kernels: Optional[tuple] = None):
+    """Fused attention of `query` [B, T, N, H] on `key` and `value` [B, S, N, H]. Where the trace leaves B open,
+    `batch` (the batch size of the step traced) is B: the tensors are given that size for the custom calls
+    (`tf.ensure_shape`, which XLA checks when it compiles) and the output's batch is open again after them.
+    `kernels` (forward, backward) replaces the custom calls (tests on CPU pass reference kernels)."""
     forward, backward = kernels or (cudnn_forward, cudnn_backward)
-    core = functools.partial(_fused, scale=scale, causal=causal, forward=forward, backward=backward)
-    if query.shape[0] is not None and key.shape[0] is not None and value.shape[0] is not None:
-        return core(query, key, value)
-    runtime_batch = tf.shape(query)[0]
-    fits = tf.reduce_all(tf.stack([runtime_batch, tf.shape(key)[0], tf.shape(value)[0]]) == batch)
-
-    def fused_branch():
-        out = core(*(_with_batch(tensor, batch) for tensor in (query, key, value)))
-        return _with_batch(out, runtime_batch)
-
-    return tf.cond(fits, fused_branch, keras_attention)
-
-
-def _with_batch(tensor, batch):
-    """`tensor` with `batch` rows (a Python int: the shape is known to the trace), padded with zeros or cut; the rows
-    it keeps are its own. Valid for any run-time batch, so both branches of `attend`'s cond compile."""
-    rank = tensor.shape.rank
-    padded = tf.pad(tensor, [[0, batch]] + [[0, 0]] * (rank - 1))
-    size = [batch] + [-1] * (rank - 1)
-    return tf.slice(padded, [0] * rank, size)
+    opened = query.shape[0] is None
+    if opened:
+        query, key, value = (tf.ensure_shape(tensor, [batch] + tensor.shape.as_list()[1:])
+                             for tensor in (query, key, value))
+    out = _fused(query, key, value, scale, causal, forward, backward)
+    if opened:
+        out = tf.compat.v1.placeholder_with_default(out, [None] + out.shape.as_list()[1:])
+    return out
 
 
 def _fused(query, key, value, scale, causal, forward, backward):
