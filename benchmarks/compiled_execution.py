@@ -21,7 +21,8 @@ after a warm-up fit that compiles:
   resident     the compiled execution with the batches already on the GPU (the model gathers its examples from a
                copy held on the device: the same program without the host input, the ceiling for host-fed input);
   unfused      the compiled execution with Keras' own attention (`fused_attention="off"`): "compiled" runs Keras'
-               attention as cuDNN's fused attention where it applies (tf_nvlink.training.fused_attention);
+               attention as cuDNN's fused attention where it applies (`fused_attention="auto"`,
+               tf_nvlink.training.fused_attention);
   sharded      the compiled execution with `optimizer_states="sharded"` (each replica holds and updates its share of
                the optimizer's slots; on one GPU the replicated path runs, which this row checks costs nothing);
   torch        resnet50 and the Transformers: the PyTorch peer (benchmarks/torch_peer.py), torch.compile with the

@@ -117,7 +117,8 @@ def fit(setting):
                       jit_compile=True)
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
     return [w.tolist() for w in model.get_weights()]
-""", {"auto, off and Keras' own": r"""
+""", {"the default": "result = [base.fused_attention_of(strategy), strategy.fused_attention]",
+      "auto, off and Keras' own": r"""
 auto, off = fit("auto"), fit("off")
 from keras.src.backend.tensorflow import nn as tensorflow_nn
 from tf_nvlink.internals.registry import REGISTRY
@@ -147,6 +148,10 @@ finally:
     keras.mixed_precision.set_global_policy("float32")
 result = {"fused": fused, "plain": plain, "lines": [l for l in lines if l.startswith("tf_nvlink: attention:")]}
 """})
+
+
+def test_fused_attention_is_asked_for_not_the_default():
+    assert CPU.result("the default") == ["off", "off"]
 
 
 def test_cpu_replicas_keep_keras_attention_exactly_and_say_why():

@@ -32,7 +32,7 @@ MASKS = ("none", "causal", "tensor")
 
 
 def validate_fused_attention(fused_attention) -> str:
-    """"auto" (fused where it applies) or "off"; ValueError naming the valid choices for anything else.
+    """"auto" (fused where it applies) or "off" (the default); ValueError naming the valid choices for anything else.
 
     Example:
         >>> validate_fused_attention("off")

@@ -5,8 +5,10 @@ and returns no scores) as separate XLA ops that write every head's [T, S] scores
 the forward and again in the backward. Inside a replica's XLA program on NVIDIA GPUs (compute capability 8.0+),
 for bfloat16 or float16 attention with no mask or a causal one (`plan.attention.decide` has every condition), this
 rule emits XLA's cuDNN custom calls instead, with a custom gradient that is cuDNN's fused backward. Elsewhere
-Keras' own attention runs, and one INFO line per reason says why. `tf_nvlink.strategy(fused_attention="off")`
-keeps Keras' attention everywhere.
+Keras' own attention runs, and one INFO line per reason says why. It is asked for with
+`tf_nvlink.strategy(fused_attention="auto")`; the default, "off", keeps Keras' attention everywhere until the fused
+path's speed and its agreement with Keras' attention are measured on GPUs (tests/test_gpu.py,
+benchmarks/fused_attention_micro.py).
 
 The custom calls need fully known shapes, and tf_nvlink traces each replica's step with its batch dimension open
 (`exact_batches.open_batch_dimension`). The rule takes the batch size the trace hides (`thread_state.static_batch`)
@@ -15,7 +17,7 @@ another batch than its input's (a reshape into the batch) fails to compile, nami
 otherwise compute on the wrong rows; such a model trains with `fused_attention="off"`.
 
 Example:
-    >>> with tf_nvlink.strategy().scope():          # fused_attention="auto"
+    >>> with tf_nvlink.strategy(fused_attention="auto").scope():
     ...     model = transformer()                   # keras.layers.MultiHeadAttention(..., use_causal_mask=True)
     ...     model.compile(optimizer="adamw", loss=loss, jit_compile=True)
 """
