@@ -42,8 +42,10 @@ import tensorflow as tf
 cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
 tf.config.list_logical_devices()
-import keras, numpy as np
+import argparse, keras, numpy as np
 keras.utils.set_random_seed(1)
+def compile_cache_cli_args(folder):
+    return argparse.Namespace(dir=folder, clear=True, json=True)
 from tf_nvlink.training import install
 from tf_nvlink.distribute import single_host
 strategy = install.build_strategy(devices=devices, compile_cache=setting)
@@ -55,6 +57,9 @@ state = single_host.current_compile_cache()
 if os.environ.get("WORKER_TRUNCATE_AFTER_STRATEGY"):  # an entry damaged between strategy() and the first step
     victim = compile_cache.entries(state.folder)[0].path
     os.truncate(victim, os.path.getsize(victim) // 2)
+if os.environ.get("WORKER_CLEAR_AFTER_STRATEGY"):  # `tf-nvlink cache --clear` while the program runs
+    from tf_nvlink.tools import compile_cache_cli
+    compile_cache_cli.run(compile_cache_cli_args(os.path.dirname(state.folder)))
 x = np.linspace(0, 1, 256, dtype="float32").reshape(32, 8)
 loss = error = None
 try:
@@ -274,6 +279,17 @@ def test_an_entry_damaged_after_the_strategy_is_built_is_compiled_again(seeded):
     deleted = warnings(run, "cannot be loaded by TensorFlow", "deleted")
     assert len(deleted) == 1, run["records"]
     assert len(run["entries"]) == 4 and not compile_cache.bad_entries(run["folder"])
+
+
+def test_clearing_the_cache_while_a_program_runs_costs_a_compile_only(seeded):
+    """`tf-nvlink cache --clear` run after this process built its strategy and before its first step: its programs
+    are compiled again and stored; the weights are compile_cache="off"'s and the folder is usable."""
+    root = _copy(seeded.managed, os.path.join(seeded.base, "cleared"))
+    run = result(start(root, **seeded.env, WORKER_CLEAR_AFTER_STRATEGY="1"))
+    assert run["error"] is None and run["weights"] == seeded.off["weights"]
+    assert len(run["entries"]) == 4 and not compile_cache.bad_entries(run["folder"])
+    assert any("first train execution of model 'tiny'" in text and "2 programs compiled and stored" in text
+               for _, text in run["records"]), run["records"]
 
 
 def test_a_damaged_entry_tensorflow_reads_stops_training_with_an_error_naming_it(seeded):
