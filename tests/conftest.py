@@ -81,10 +81,21 @@ SLOW_PLAIN_AND_SPLIT = [pytest.param("plain", marks=pytest.mark.slow), pytest.pa
 
 class ModeScript:
     """A test script run once per mode in its own process (one strategy per process): `script` holds the word
-    MODE where the mode's repr goes, and prints one JSON line last. `result(mode)` runs it on first use."""
+    MODE where the mode's repr goes, and prints one JSON line last. `result(mode)` runs it on first use; the modes
+    of `background` ({mode: expected_s}, those of the default run) start in the background when the tests are
+    collected (tests/scenarios.py)."""
 
-    def __init__(self, script):
+    def __init__(self, script, background=None):
+        import scenarios
+
         self.script, self.results = script, {}
+        module = sys._getframe(1).f_globals.get("__file__")
+        self.background = {mode: scenarios.Background(f"{os.path.basename(module)}: {mode}", self._code(mode),
+                                                      expected_s=expected_s, _module=module)
+                           for mode, expected_s in (background or {}).items()}
+
+    def _code(self, mode):
+        return self.script.replace("MODE", repr(mode))
 
     def result(self, mode):
         import json
@@ -92,7 +103,10 @@ class ModeScript:
         if mode not in self.results:
             import scenarios
 
-            proc = scenarios.run_preloaded(self.script.replace("MODE", repr(mode)))  # TensorFlow imported once
+            if mode in self.background:
+                proc = self.background[mode].wait()
+            else:
+                proc = scenarios.run_preloaded(self._code(mode))  # TensorFlow imported once
             assert proc.returncode == 0, proc.stderr[-3000:]
             self.results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
         return self.results[mode]

@@ -11,7 +11,11 @@ the prelude's namespace and leaves its answer in `result` (anything JSON can hol
 background as soon as pytest has collected a test of that module (conftest.pytest_collection_finish), so it runs
 while the in-process tests do; `INSTALL.result("fit")` waits for it and returns that case's `result`, or fails
 with the case's own traceback. A scenario declared with `slow=True` starts in the background only when a selected
-test of its module is marked slow (it still starts on first use).
+test of its module is marked slow (it still starts on first use). A process that is not a set of cases (a driver
+script that prints its own result) is declared as a `Background` and started the same way.
+
+The background processes start longest first (`expected_s`, the CPU seconds each took on a 2-core machine), as
+one more at a time than there are cores: a long process started last would end the run alone.
 
 Importing TensorFlow costs seconds of CPU in every process, so the processes fork from one that imported it once
 (`run_preloaded`; a scenario with its own `env`, or `preload=False`, starts a fresh interpreter instead). The
@@ -121,22 +125,27 @@ def _environment(env=None):
     return environment
 
 
+def _start_fork_server():
+    """Starts the process that preloaded ones fork from, unless it runs (hold _FORK_SERVER_LOCK)."""
+    global _fork_server
+    if _fork_server is None or _fork_server.poll() is not None:
+        log = tempfile.NamedTemporaryFile("w", prefix="tf_nvlink_fork_server_", delete=False)
+        _fork_server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], env=_environment(), cwd=ROOT,
+                                        stdin=subprocess.PIPE, stdout=log, stderr=log, text=True)
+        _fork_server.log = log.name
+
+
 class Preloaded:
     """`python -c code argv...` run in a process forked from one that imported TensorFlow: `start_preloaded`
     returns it at once, `wait()` gives the CompletedProcess."""
 
     def __init__(self, code, argv, env, timeout):
-        global _fork_server
         self.timeout, self.args = timeout, ["python", "-c", "...", *argv]
         self.folder = tempfile.mkdtemp(prefix="tf_nvlink_preloaded_")
         paths = {name: os.path.join(self.folder, name) for name in ("stdout", "stderr", "pid", "status")}
         self.paths, self.began = paths, time.monotonic()
         with _FORK_SERVER_LOCK:
-            if _fork_server is None or _fork_server.poll() is not None:
-                log = tempfile.NamedTemporaryFile("w", prefix="tf_nvlink_fork_server_", delete=False)
-                _fork_server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], env=_environment(), cwd=ROOT,
-                                                stdin=subprocess.PIPE, stdout=log, stderr=log, text=True)
-                _fork_server.log = log.name
+            _start_fork_server()
             _fork_server.stdin.write(json.dumps({"code": code, "argv": list(argv), "env": _environment(env),
                                                  **paths}) + "\n")
             _fork_server.stdin.flush()
@@ -180,12 +189,17 @@ def start_preloaded(code_or_args, env=None, timeout=600, argv=()):
         process = scenarios.start_preloaded("import tensorflow as tf; print(tf.add(1, 2).numpy())")
         assert process.wait().stdout == "3\n"
     """
-    if isinstance(code_or_args, str):
-        return Preloaded(code_or_args, argv, env, timeout)
-    script, *argv = [str(arg) for arg in code_or_args]
-    code = (f"import runpy, sys\nsys.argv[0] = {script!r}\nsys.path.insert(0, {os.path.dirname(script)!r})\n"
-            f"runpy.run_path({script!r}, run_name='__main__')\n")
+    code, argv = _code_and_argv(code_or_args, argv)
     return Preloaded(code, argv, env, timeout)
+
+
+def _code_and_argv(code_or_args, argv=()):
+    """`python -c code argv...` for code (str), or for a script and its arguments (list)."""
+    if isinstance(code_or_args, str):
+        return code_or_args, list(argv)
+    script, *argv = [str(arg) for arg in code_or_args]
+    return (f"import runpy, sys\nsys.argv[0] = {script!r}\nsys.path.insert(0, {os.path.dirname(script)!r})\n"
+            f"runpy.run_path({script!r}, run_name='__main__')\n"), argv
 
 
 def run_preloaded(code_or_args, env=None, timeout=600, argv=()):
@@ -208,24 +222,39 @@ def stop_fork_server():
         _fork_server = None
 
 
-_DECLARED = []  # every Scenario, in import order
+_DECLARED = []  # every Background process (scenarios included), in import order
 _LOCK = threading.Lock()
 
 
-class Scenario:
-    """One subprocess running `prelude` once, then every case of `cases` ({name: body}); see the module doc."""
+class Background:
+    """One process declared when its test module is imported and started in the background as soon as pytest has
+    collected a test of that module (`start_for`), longest first: `wait()` gives its CompletedProcess.
 
-    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False, preload=None, long=False):
-        self.name, self.prelude, self.cases = name, prelude, dict(cases)
-        self.slow = slow  # started in the background only when a selected test of its module is marked slow
-        self.long = long  # started before the others: a long process started last would end the run alone
+        DRIVER = scenarios.Background("exact batches: fused", code, argv=["2"], expected_s=14)
+        def test_it():
+            assert DRIVER.wait().returncode == 0
+
+    `code_or_args` runs as `python -c code argv...` (str) or `python script args...` (list) would, forked from the process that imported TensorFlow (a fresh
+    interpreter where `env` must be there at import: `preload=False`, the default when `env` is given). `expected_s`
+    is the CPU seconds it took on a 2-core machine: the longest start first, so that no long process starts last and
+    ends the run alone. `slow=True`: started in the background only when a selected test of its module is marked
+    slow (it still starts on first use)."""
+
+    def __init__(self, name, code_or_args, argv=(), env=None, timeout=600, slow=False, preload=None, expected_s=1.0,
+                 _module=None):
+        self.name = name
+        self.code, self.argv = _code_and_argv(code_or_args, argv)
+        self.slow, self.expected_s = slow, expected_s
         self.env, self.timeout = dict(env or {}), timeout
         # Forked from the process that imported TensorFlow, unless its own environment must be there at import.
         self.preload = not self.env if preload is None else preload
-        self.module = sys._getframe(1).f_globals.get("__file__")
-        self._started, self._done, self._proc = False, threading.Event(), None
-        self._answers, self._failure = None, None
+        self.module = _module or sys._getframe(1).f_globals.get("__file__")
+        self._started, self._done, self._proc, self._completed = False, threading.Event(), None, None
+        self._error = None
         _DECLARED.append(self)
+        if self.preload and not slow:  # TensorFlow's import in the process they fork from, while pytest collects
+            with _FORK_SERVER_LOCK:
+                _start_fork_server()
 
     def start(self):
         """Starts the process (once); returns at once. A background thread waits for it."""
@@ -233,43 +262,68 @@ class Scenario:
             if self._started:
                 return
             self._started = True
-        threading.Thread(target=self._run, name=f"scenario {self.name}", daemon=True).start()
+        threading.Thread(target=self._run, name=f"background {self.name}", daemon=True).start()
 
     def _run(self):
         env = dict(self.env)
-        env.setdefault("TF_NVLINK_CACHE_DIR", tempfile.mkdtemp(prefix=f"tf_nvlink_scenario_{self.name}_"))
-        argv = [json.dumps(self.cases), self.prelude]
-        began = time.monotonic()
+        env.setdefault("TF_NVLINK_CACHE_DIR", tempfile.mkdtemp(prefix="tf_nvlink_background_"))
+        self.began = time.monotonic()
         try:
             if self.preload:
-                self._proc = Preloaded(_RUNNER, argv, env, self.timeout)
-                done = self._proc.wait()
+                self._proc = Preloaded(self.code, self.argv, env, self.timeout)
+                self._completed = self._proc.wait()
             else:
-                self._proc = subprocess.Popen([sys.executable, "-c", _RUNNER, *argv], env=_environment(env),
+                self._proc = subprocess.Popen([sys.executable, "-c", self.code, *self.argv], env=_environment(env),
                                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 try:
                     stdout, stderr = self._proc.communicate(timeout=self.timeout)
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                     stdout, stderr = self._proc.communicate()
-                done = subprocess.CompletedProcess(self._proc.args, self._proc.returncode, stdout, stderr)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("SCENARIO ")]
-            if done.returncode == 0 and lines:
-                self._answers = json.loads(lines[-1][len("SCENARIO "):])
-            else:
-                self._failure = (f"scenario process {self.name!r} exited with {done.returncode} after "
-                                 f"{time.monotonic() - began:.0f} s (limit {self.timeout} s):\n{done.stdout[-3000:]}\n"
-                                 f"{done.stderr[-5000:]}")
-        except Exception as error:  # every case of it fails with this
-            self._failure = f"scenario process {self.name!r}: {type(error).__name__}: {error}"
+                self._completed = subprocess.CompletedProcess(self._proc.args, self._proc.returncode, stdout, stderr)
+        except Exception as error:  # every test of it fails with this
+            self._error = f"{type(error).__name__}: {error}"
         finally:
             self._done.set()
+
+    def wait(self):
+        """The CompletedProcess (starts the process if nothing did; killed after `timeout` s: returncode -9)."""
+        self.start()
+        self._done.wait()
+        if self._error:
+            pytest.fail(f"background process {self.name!r}: {self._error}", pytrace=False)
+        return self._completed
+
+    def kill(self):
+        """Kills the process if it still runs."""
+        if isinstance(self._proc, subprocess.Popen) and self._proc.poll() is None:
+            self._proc.kill()
+        elif isinstance(self._proc, Preloaded):
+            self._proc.kill()
+
+
+class Scenario(Background):
+    """One subprocess running `prelude` once, then every case of `cases` ({name: body}); see the module doc."""
+
+    def __init__(self, name, prelude, cases, env=None, timeout=600, slow=False, preload=None, expected_s=1.0):
+        self.prelude, self.cases = prelude, dict(cases)
+        super().__init__(name, _RUNNER, [json.dumps(self.cases), prelude], env, timeout, slow, preload, expected_s,
+                         _module=sys._getframe(1).f_globals.get("__file__"))
+        self._answers, self._failure = None, None
 
     def answer(self, case):
         """{"result": ...} or {"error": traceback} of one case (starts the process if nothing did)."""
         assert case in self.cases, f"no case {case!r} in scenario {self.name!r}: {sorted(self.cases)}"
-        self.start()
-        self._done.wait()
+        done = self.wait()
+        with _LOCK:
+            if self._answers is None and self._failure is None:
+                lines = [line for line in done.stdout.splitlines() if line.startswith("SCENARIO ")]
+                if done.returncode == 0 and lines:
+                    self._answers = json.loads(lines[-1][len("SCENARIO "):])
+                else:
+                    self._failure = (f"scenario process {self.name!r} exited with {done.returncode} after "
+                                     f"{time.monotonic() - self.began:.0f} s (limit {self.timeout} s):\n"
+                                     f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
         if self._failure:
             pytest.fail(self._failure, pytrace=False)
         return self._answers[case]
@@ -290,33 +344,38 @@ class Scenario:
         return answer["error"]
 
 
-def start_for(items):
-    """Starts the scenarios of the modules that `items` test in background threads, the long ones first, then in
-    declaration order, as many processes at a time as the machine has cores."""
+def start_order(items, declared=None):
+    """The background processes (of `declared`, else every one) that the tests `items` use, longest first."""
     modules = {str(item.fspath) for item in items}
     with_slow = {str(item.fspath) for item in items if item.get_closest_marker("slow")}
-    wanted = [scenario for scenario in _DECLARED
-              if scenario.module in (with_slow if scenario.slow else modules)]
+    wanted = [process for process in (_DECLARED if declared is None else declared)
+              if process.module in (with_slow if process.slow else modules)]
+    return sorted(wanted, key=lambda process: -process.expected_s)  # stable: declaration order otherwise
 
-    queue = sorted(wanted, key=lambda scenario: not scenario.long)  # stable: declaration order otherwise
 
-    def run_in_turn():  # each runner starts the next scenario not yet started (a test may have started it)
+def start_for(items):
+    """Starts the background processes of the modules that `items` test, the longest (`expected_s`) first, one more
+    at a time than the machine has cores."""
+    queue = start_order(items)
+
+    def run_in_turn():  # each runner starts the next process not yet started (a test may have started it)
         while True:
             with _LOCK:
                 if not queue:
                     return
-                scenario = queue.pop(0)
-            scenario.start()
-            scenario._done.wait()
+                process = queue.pop(0)
+            process.start()
+            process._done.wait()
 
-    # As many scenario processes at once as there are cores: the tests that wait for them mostly sleep.
-    for index in range(min(len(queue), max(1, os.cpu_count() or 1))):
-        threading.Thread(target=run_in_turn, name=f"scenarios {index}", daemon=True).start()
+    # One more at once than there are cores: the tests that wait for them mostly sleep, and a TensorFlow process
+    # leaves its core idle at times (one thread compiling, replicas waiting for each other).
+    for index in range(min(len(queue), (os.cpu_count() or 1) + 1)):
+        threading.Thread(target=run_in_turn, name=f"background {index}", daemon=True).start()
 
 
 def stop_all():
-    """Kills the scenario processes still running (the session ends before their tests ran, e.g. -x)."""
-    for scenario in _DECLARED:
-        if isinstance(scenario._proc, subprocess.Popen) and scenario._proc.poll() is None:
-            scenario._proc.kill()
+    """Kills the background processes still running (the session ends before their tests ran, e.g. -x)."""
+    for process in _DECLARED:
+        if isinstance(process._proc, subprocess.Popen) and process._proc.poll() is None:
+            process._proc.kill()
     stop_fork_server()

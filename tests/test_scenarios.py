@@ -1,5 +1,7 @@
 """tests/scenarios.py, the shared scenario processes: answers per case, each failure with its own traceback."""
 
+import types
+
 import pytest
 
 import scenarios
@@ -59,3 +61,28 @@ def test_a_preloaded_process_exits_as_python_does_and_is_killed_past_its_timeout
     assert raised.returncode == 1 and "KeyError: 'broken'" in raised.stderr
     assert scenarios.run_preloaded("import os; print(os.environ['X'])", env={"X": "seen"}).stdout == "seen\n"
     assert scenarios.run_preloaded("import time; time.sleep(60)", timeout=1).returncode == -9
+
+
+SCRIPT = scenarios.Background("a script with arguments", [str(scenarios.ROOT / "tests" / "echo_argv.py"), "a", "b"],
+                              env={"ECHO_PREFIX": "argv:"}, expected_s=0.5)
+
+
+def test_a_background_process_runs_its_script_once_with_its_arguments_and_environment():
+    done = SCRIPT.wait()
+    assert (done.returncode, done.stdout) == (0, "argv: ['a', 'b']\n")
+    assert SCRIPT.wait() is done
+
+
+def test_background_processes_start_longest_first_and_slow_ones_only_for_slow_tests():
+    module = "/repo/tests/test_x.py"
+    item = types.SimpleNamespace(fspath=module, get_closest_marker=lambda name: None)
+    slow_item = types.SimpleNamespace(fspath=module, get_closest_marker=lambda name: name == "slow")
+    made = [scenarios.Background(name, "pass", expected_s=seconds, slow=slow, _module=module)
+            for name, seconds, slow in (("short", 1, False), ("long", 30, False), ("slow", 60, True),
+                                        ("middle", 10, False), ("short too", 1, False))]
+    scenarios._DECLARED[-len(made):] = []  # never started: these only test the order
+    assert [p.name for p in scenarios.start_order([item], made)] == ["long", "middle", "short", "short too"]
+    assert [p.name for p in scenarios.start_order([slow_item], made)] == ["slow", "long", "middle", "short",
+                                                                          "short too"]
+    assert scenarios.start_order([types.SimpleNamespace(fspath="/elsewhere.py",
+                                                        get_closest_marker=lambda name: None)], made) == []

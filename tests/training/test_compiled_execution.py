@@ -31,11 +31,11 @@ def _cases_body(layout, cases):
 _TWO_CASES = ["steps_per_epoch", "host_input"]
 _TWO_SLOW_CASES = ["numpy", "loss_scale", "rest_of_fit", "unknown_length", "accumulate", "no_batchnorm"]
 TWO = scenarios.Scenario("compiled_execution_two_replicas", prelude="", cases={
-    "all": _cases_body("emulated2", ",".join(_TWO_CASES))}, timeout=900)
+    "all": _cases_body("emulated2", ",".join(_TWO_CASES))}, timeout=900, expected_s=23)
 TWO_SLOW = scenarios.Scenario("compiled_execution_two_replicas_slow", prelude="", cases={
     "all": _cases_body("emulated2", ",".join(_TWO_SLOW_CASES))}, timeout=900, slow=True)
 ONE = scenarios.Scenario("compiled_execution_one_replica", prelude="", cases={
-    "all": _cases_body("emulated1", "numpy,rest_of_fit,memory_check")}, timeout=900)
+    "all": _cases_body("emulated1", "numpy,rest_of_fit,memory_check")}, timeout=900, expected_s=10)
 
 
 def _assert_same_training(case, per_step, compiled):

@@ -15,8 +15,13 @@ import scenarios
 _CASES = str(Path(__file__).resolve().parent / "compiled_steps_cases.py")
 
 
+# Each layout's process starts in the background when the tests are collected (tests/scenarios.py).
+_LAYOUTS = {"emulated2": scenarios.Background("compiled steps: emulated2", [_CASES, "emulated2"], expected_s=9),
+            "split2": scenarios.Background("compiled steps: split2", [_CASES, "split2"], slow=True, expected_s=5)}
+
+
 def _run(layout):
-    proc = scenarios.run_preloaded([_CASES, layout], timeout=600)
+    proc = _LAYOUTS[layout].wait()
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -85,7 +85,7 @@ if mode != "stock":  # stock Keras cannot even build a model from a first batch 
         result["cases"][name] = trained
 print(json.dumps(result))
 """
-_run = ModeScript(_SCRIPT).result
+_run = ModeScript(_SCRIPT, background={"fused": 11}).result
 
 
 @pytest.mark.parametrize("mode", SLOW_PLAIN_AND_SPLIT)

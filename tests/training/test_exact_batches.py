@@ -66,12 +66,21 @@ def assert_single_device(cases):
     assert not failed, json.dumps(failed, indent=1)
 
 
+def _background(name, replicas, fused, modes, names, expected_s):
+    """The driver as a process started in the background when the tests are collected (tests/scenarios.py)."""
+    return scenarios.Background(name, FUSED_CPU_EMULATION + DRIVER, env={"CUDA_VISIBLE_DEVICES": ""}, preload=True,
+                                argv=[json.dumps([replicas, fused, modes, names, False])], expected_s=expected_s)
+
+
+TWO_MERGE_CALL = _background("exact batches: plain and split on 2 CPUs", 2, False, ["plain", "split"], CORE, 14)
+TWO_FUSED = _background("exact batches: fused (emulated) on 2 CPUs", 2, True, ["fused"], CORE + EVERY_MODEL, 14)
+
+
 @pytest.fixture(scope="module")
 def two_replicas():
     """The core targets on 2 CPU replicas: plain and split in one process, fused (emulated) in another, at once;
     fused mode also trains the EVERY_MODEL cases."""
-    processes = {"merge_call": start(2, False, ["plain", "split"], CORE),
-                 "fused": start(2, True, ["fused"], CORE + EVERY_MODEL)}
+    processes = {"merge_call": TWO_MERGE_CALL, "fused": TWO_FUSED}
     try:
         results = {name: result_of(process) for name, process in processes.items()}
     finally:

@@ -51,7 +51,8 @@ _PATHS = {"emulated2": ("per_step", "compiled"), "emulated1": ("per_step", "comp
 
 def _scenario(layout, rows, slow):
     return scenarios.Scenario(f"feature_matrix_{layout}{'_slow' if slow else ''}", prelude="",
-                              cases={"all": _layout_body(layout, rows)}, timeout=1200, slow=slow, long=True)
+                              cases={"all": _layout_body(layout, rows)}, timeout=1200, slow=slow,
+                              expected_s=40 if layout == "emulated2" and not slow else 60)
 
 
 _DEFAULT = _scenario("emulated2", DEFAULT_ROWS, slow=False)

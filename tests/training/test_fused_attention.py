@@ -147,7 +147,7 @@ try:
 finally:
     keras.mixed_precision.set_global_policy("float32")
 result = {"fused": fused, "plain": plain, "lines": [l for l in lines if l.startswith("tf_nvlink: attention:")]}
-"""})
+"""}, expected_s=17)
 
 
 def test_fused_attention_is_asked_for_not_the_default():

@@ -192,7 +192,7 @@ for name, extra in (("async", []), ("sync", [NeedsBatchEnds()]), ("sync again", 
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[recorder, *extra])
     result[name] = {"seen": recorder.seen, "history": history.history["loss"]}
 """
-SHARED = scenarios.Scenario("install: one strategy on 2 CPUs", _PRELUDE, _SHARED_CASES)
+SHARED = scenarios.Scenario("install: one strategy on 2 CPUs", _PRELUDE, _SHARED_CASES, expected_s=21)
 
 
 def test_plugin_compiles_one_function_per_replica_and_fit_evaluate_predict_work():

@@ -215,13 +215,13 @@ FUSED = scenarios.Scenario("per_replica_steps: fused (emulated) on 2 CPUs, and o
     "mixed fit fused": "result = fit_mixed(strategy, jit=True)",
     "metric outside scope": "result = metric_made_outside_scope(strategy)",
     "per-output weights": "result = per_output_weights_warning(strategy)",
-})
+}, expected_s=12)
 SPLIT = scenarios.Scenario("per_replica_steps: split on 2 CPUs", _prelude("split"), {
     "loop": 'result = {"float32-eager": train_loop(strategy, "float32", eager=True), '
             '"mixed": train_loop(strategy, "mixed")}',
     "jit around strategy.run": "jit_around_strategy_run(strategy)",
     "metric outside scope": "result = metric_made_outside_scope(strategy)",
-})
+}, expected_s=4)
 # The slow tier's split runs, and fit without XLA: the same hooks as the default run's fused and split cases.
 SPLIT_SLOW = scenarios.Scenario("per_replica_steps: split on 2 CPUs (slow tier)", _prelude("split"), {
     "loop": 'result = {"float32": train_loop(strategy, "float32")}',

@@ -28,16 +28,18 @@ CHECKS = ["memory", "memory_log", "save", "resume", "save_weights", "request_key
 SPLIT_MAIN = ["adam", "adamw_global_clipnorm", "sgd_momentum_spe3"]
 
 
-def _scenario(name, layout, cases, slow):
+def _scenario(name, layout, cases, slow, expected_s=1.0):
     body = (f"import runpy, sys\n"
             f"sys.argv = [{_CASES!r}, {layout!r}, {','.join(cases)!r}]\n"
             f"result = runpy.run_path({_CASES!r}, run_name='__main__')['results']\n")
-    return scenarios.Scenario(name, prelude="", cases={"all": body}, timeout=900, slow=slow)
+    return scenarios.Scenario(name, prelude="", cases={"all": body}, timeout=900, slow=slow,
+                              expected_s=expected_s)
 
 
-SINGLE = _scenario("sharded_states_single", "single", MAIN, slow=False)
-FUSED2 = _scenario("sharded_states_fused2", "fused2", MAIN + CHECKS, slow=False)
-SPLIT4 = _scenario("sharded_states_split4", "split4", SPLIT_MAIN + ["memory", "memory_log"], slow=False)
+SINGLE = _scenario("sharded_states_single", "single", MAIN, slow=False, expected_s=3)
+FUSED2 = _scenario("sharded_states_fused2", "fused2", MAIN + CHECKS, slow=False, expected_s=25)
+SPLIT4 = _scenario("sharded_states_split4", "split4", SPLIT_MAIN + ["memory", "memory_log"], slow=False,
+                   expected_s=17)
 ONE = _scenario("sharded_states_plain1", "plain1", ["adam", "slot_kinds"], slow=False)
 BATCHNORM = ["batchnorm", "batchnorm_spe3"]  # synchronized BatchNorm: fused and plain (split mode refuses it)
 
