@@ -17,9 +17,12 @@ def _original(owner, name):
 
 
 def test_keras_attention_is_looked_up_on_the_tensorflow_backend_at_each_call():
-    from keras.src.backend.tensorflow import nn as tensorflow_nn
     from keras.src.layers.attention import multi_head_attention
     from keras.src.ops import nn as ops_nn
+
+    from tf_nvlink.internals.attention import keras_attention_module
+
+    tensorflow_nn = keras_attention_module()
 
     keras_attention = _original(tensorflow_nn, "dot_product_attention")
     parameters = list(inspect.signature(keras_attention).parameters)
@@ -27,9 +30,13 @@ def test_keras_attention_is_looked_up_on_the_tensorflow_backend_at_each_call():
     source = inspect.getsource(keras_attention)
     assert "Flash attention is not supported in tensorflow backend." in source
     assert "_dot_product_attention_xla(" in source  # softmax(QK^T)V in separate ops
-    assert "return backend.nn.dot_product_attention(" in inspect.getsource(ops_nn)
+    looked_up = "backend.nn." if keras_version() < (3, 16) else "backend.ops.nn."  # by attribute, at each call
+    assert f"return {looked_up}dot_product_attention(" in inspect.getsource(ops_nn)
+    assert tensorflow_nn.__name__ == ("keras.src.backend.tensorflow.nn" if keras_version() < (3, 16)
+                                      else "keras.src.backend.tensorflow.ops.nn")
     compute = inspect.getsource(multi_head_attention.MultiHeadAttention._compute_attention)
-    assert "ops.dot_product_attention(" in compute
+    called = "ops." if keras_version() < (3, 16) else "backend.ops.nn."  # keras.ops, or the module itself
+    assert f"{called}dot_product_attention(" in compute
     assert "self._dropout > 0.0" in compute  # dropout keeps MultiHeadAttention on its own path
     if keras_version() >= (3, 15):  # use_causal_mask=True reaches the kernel as is_causal=True
         assert "is_causal=True" in compute

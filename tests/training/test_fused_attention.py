@@ -120,7 +120,8 @@ def fit(setting):
 """, {"the default": "result = [base.fused_attention_of(strategy), strategy.fused_attention]",
       "auto, off and Keras' own": r"""
 auto, off = fit("auto"), fit("off")
-from keras.src.backend.tensorflow import nn as tensorflow_nn
+from tf_nvlink.internals.attention import keras_attention_module
+tensorflow_nn = keras_attention_module()
 from tf_nvlink.internals.registry import REGISTRY
 REGISTRY.restore(tensorflow_nn, "dot_product_attention")
 try:

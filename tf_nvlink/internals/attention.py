@@ -1,8 +1,9 @@
 """Seams of attention: Keras' TensorFlow `dot_product_attention` (what `keras.ops.dot_product_attention` and
 `MultiHeadAttention` call), and TensorFlow's op for an XLA custom call with several results.
 
-Checked against Keras 3.12 to 3.15.1 and keras-nightly 3.16.0.dev2026102704 (`keras.src.backend.tensorflow.nn`,
-whose `dot_product_attention` `keras.src.ops.nn` looks up at each call), TensorFlow 2.21
+Checked against Keras 3.12 to 3.15.1 (`keras.src.backend.tensorflow.nn`) and keras-nightly 3.16.0.dev2026102704
+(`keras.src.backend.tensorflow.ops.nn`), whose `dot_product_attention` `keras.src.ops.nn` looks up at each call
+(`backend.nn.`, then `backend.ops.nn.`), TensorFlow 2.21
 (`tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_custom_call_v2`: `tf.raw_ops` does not export XlaCustomCallV2,
 and the older XlaCustomCall aborts the process on a call with several results). Pinned in
 tests/internals/test_attention_seams.py.
@@ -20,13 +21,27 @@ import inspect
 from tf_nvlink.internals.registry import REGISTRY
 
 
+def keras_attention_module():
+    """The module of Keras' TensorFlow `dot_product_attention`: `keras.src.backend.tensorflow.nn` up to Keras 3.15,
+    `keras.src.backend.tensorflow.ops.nn` from 3.16.
+
+    Example:
+        >>> attention.keras_attention_module().dot_product_attention   # Keras' own, or the seam once installed
+    """
+    try:
+        from keras.src.backend.tensorflow import nn as module  # noqa: PLC0415
+    except ImportError:
+        from keras.src.backend.tensorflow.ops import nn as module  # noqa: PLC0415
+    return module
+
+
 def install_attention_seam(rules) -> None:
     """Patch Keras' TensorFlow `dot_product_attention` once -> `rules.dot_product_attention(keras_attention,
     arguments)`, where `arguments` is the call's arguments by name (query, key, value, bias, mask, scale, is_causal,
     flash_attention, and attn_logits_soft_cap where this Keras has it) and `keras_attention(**arguments)` is Keras'
     own. `keras.src.ops.nn.dot_product_attention` calls `backend.nn.dot_product_attention` by attribute, so the
     patch reaches `MultiHeadAttention` and `keras.ops` alike."""
-    from keras.src.backend.tensorflow import nn as tensorflow_nn  # noqa: PLC0415
+    tensorflow_nn = keras_attention_module()
 
     def patch(original):
         signature = inspect.signature(original)
