@@ -14,8 +14,8 @@ with the case's own traceback. A scenario declared with `slow=True` starts in th
 test of its module is marked slow (it still starts on first use). A process that is not a set of cases (a driver
 script that prints its own result) is declared as a `Background` and started the same way.
 
-The background processes start longest first (`expected_s`, the CPU seconds each took on a 2-core machine), as
-one more at a time than there are cores: a long process started last would end the run alone.
+The background processes start longest first (`expected_s`, the CPU seconds each took on a 2-core machine), one
+more at a time than there are cores: a long process started last would end the run alone.
 
 Importing TensorFlow costs seconds of CPU in every process, so the processes fork from one that imported it once
 (`run_preloaded`; a scenario with its own `env`, or `preload=False`, starts a fresh interpreter instead). The
@@ -234,8 +234,9 @@ class Background:
         def test_it():
             assert DRIVER.wait().returncode == 0
 
-    `code_or_args` runs as `python -c code argv...` (str) or `python script args...` (list) would, forked from the process that imported TensorFlow (a fresh
-    interpreter where `env` must be there at import: `preload=False`, the default when `env` is given). `expected_s`
+    `code_or_args` runs as `python -c code argv...` (str) or `python script args...` (list) would, forked from the
+    process that imported TensorFlow (a fresh interpreter where `env` must be there at import: `preload=False`, the
+    default when `env` is given). `expected_s`
     is the CPU seconds it took on a 2-core machine: the longest start first, so that no long process starts last and
     ends the run alone. `slow=True`: started in the background only when a selected test of its module is marked
     slow (it still starts on first use)."""
@@ -376,6 +377,5 @@ def start_for(items):
 def stop_all():
     """Kills the background processes still running (the session ends before their tests ran, e.g. -x)."""
     for process in _DECLARED:
-        if isinstance(process._proc, subprocess.Popen) and process._proc.poll() is None:
-            process._proc.kill()
+        process.kill()
     stop_fork_server()

@@ -42,10 +42,8 @@ import tensorflow as tf
 cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * replicas)
 tf.config.list_logical_devices()
-import argparse, keras, numpy as np
+import keras, numpy as np
 keras.utils.set_random_seed(1)
-def compile_cache_cli_args(folder):
-    return argparse.Namespace(dir=folder, clear=True, json=True)
 from tf_nvlink.training import install
 from tf_nvlink.distribute import single_host
 strategy = install.build_strategy(devices=devices, compile_cache=setting)
@@ -58,8 +56,8 @@ if os.environ.get("WORKER_TRUNCATE_AFTER_STRATEGY"):  # an entry damaged between
     victim = compile_cache.entries(state.folder)[0].path
     os.truncate(victim, os.path.getsize(victim) // 2)
 if os.environ.get("WORKER_CLEAR_AFTER_STRATEGY"):  # `tf-nvlink cache --clear` while the program runs
-    from tf_nvlink.tools import compile_cache_cli
-    compile_cache_cli.run(compile_cache_cli_args(os.path.dirname(state.folder)))
+    from tf_nvlink.__main__ import main as tf_nvlink_command
+    assert tf_nvlink_command(["cache", "--dir", os.path.dirname(state.folder), "--clear", "--json"]) == 0
 x = np.linspace(0, 1, 256, dtype="float32").reshape(32, 8)
 loss = error = None
 try:

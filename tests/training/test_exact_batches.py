@@ -47,10 +47,17 @@ print("RESULT " + json.dumps(out))
 '''
 
 
+_DRIVER_CODE, _DRIVER_ENV = FUSED_CPU_EMULATION + DRIVER, {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _driver_argv(replicas, fused, modes, names, custom=False):
+    return [json.dumps([replicas, fused, modes, names, custom])]
+
+
 def start(replicas, fused, modes, names, custom=False):
     """The driver in a process of its own (TensorFlow preloaded: tests/scenarios.py), started at once."""
-    return scenarios.start_preloaded(FUSED_CPU_EMULATION + DRIVER, env={"CUDA_VISIBLE_DEVICES": ""},
-                                     argv=[json.dumps([replicas, fused, modes, names, custom])])
+    return scenarios.start_preloaded(_DRIVER_CODE, env=_DRIVER_ENV, argv=_driver_argv(replicas, fused, modes, names,
+                                                                                      custom))
 
 
 def result_of(process):
@@ -68,8 +75,8 @@ def assert_single_device(cases):
 
 def _background(name, replicas, fused, modes, names, expected_s):
     """The driver as a process started in the background when the tests are collected (tests/scenarios.py)."""
-    return scenarios.Background(name, FUSED_CPU_EMULATION + DRIVER, env={"CUDA_VISIBLE_DEVICES": ""}, preload=True,
-                                argv=[json.dumps([replicas, fused, modes, names, False])], expected_s=expected_s)
+    return scenarios.Background(name, _DRIVER_CODE, argv=_driver_argv(replicas, fused, modes, names), env=_DRIVER_ENV,
+                                preload=True, expected_s=expected_s)
 
 
 TWO_MERGE_CALL = _background("exact batches: plain and split on 2 CPUs", 2, False, ["plain", "split"], CORE, 14)

@@ -39,8 +39,8 @@ def install_attention_seam(rules) -> None:
     """Patch Keras' TensorFlow `dot_product_attention` once -> `rules.dot_product_attention(keras_attention,
     arguments)`, where `arguments` is the call's arguments by name (query, key, value, bias, mask, scale, is_causal,
     flash_attention, and attn_logits_soft_cap where this Keras has it) and `keras_attention(**arguments)` is Keras'
-    own. `keras.src.ops.nn.dot_product_attention` calls `backend.nn.dot_product_attention` by attribute, so the
-    patch reaches `MultiHeadAttention` and `keras.ops` alike."""
+    own. `keras.src.ops.nn.dot_product_attention` calls `backend.nn.dot_product_attention` (`backend.ops.nn.` from
+    Keras 3.16) by attribute, so the patch reaches `MultiHeadAttention` and `keras.ops` alike."""
     tensorflow_nn = keras_attention_module()
 
     def patch(original):
