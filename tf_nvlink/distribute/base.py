@@ -23,7 +23,7 @@ class TfNvlinkStrategyMixin:
     _tf_nvlink_plan = None
     _tf_nvlink_runner: Optional[Callable] = None
     _tf_nvlink_optimizer_states = "replicated"
-    _tf_nvlink_fused_attention = "off"
+    _tf_nvlink_fused_attention = "auto"
 
     @property
     def plan(self):
@@ -38,8 +38,8 @@ class TfNvlinkStrategyMixin:
 
     @property
     def fused_attention(self) -> str:
-        """"auto" (Keras' attention runs as cuDNN's fused attention where it applies) or "off", the default
-        (`tf_nvlink.training.fused_attention` says where)."""
+        """"auto", the default (Keras' attention runs as cuDNN's fused attention where it applies;
+        `tf_nvlink.training.fused_attention` says where), or "off"."""
         return self._tf_nvlink_fused_attention
 
     @property

@@ -126,7 +126,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
              input_buffer: Optional[int] = None, compiled_execution: bool = True,
              autotune_choice: Optional[facts_lib.AutotuneChoice] = None,
              compile_cache="auto", optimizer_states: str = "replicated",
-             fused_attention: str = "off") -> tf.distribute.MirroredStrategy:
+             fused_attention: str = "auto") -> tf.distribute.MirroredStrategy:
     """A MirroredStrategy whose GPUs and all-reduce fit this machine's interconnect.
 
     Args:
@@ -176,13 +176,13 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
             replica holds and updates the states of its share of the variables, whole variables balanced by size,
             and sends the updated weights to the others; one replica: the replicated path). Single host only.
             docs/sharded_optimizer_states.md.
-        fused_attention: "off" (default): Keras' own attention; "auto": Keras' attention (`MultiHeadAttention`,
+        fused_attention: "auto" (default): Keras' attention (`MultiHeadAttention`, `GroupedQueryAttention`,
             `keras.ops.dot_product_attention`) runs as cuDNN's flash attention, one fused kernel forward and one
             backward, where it applies: inside a replica's XLA program (jit_compile=True) on NVIDIA GPUs of compute
-            capability 8.0+, bfloat16 or float16, head size a multiple of 8 up to 128, no mask or a causal one, no
-            bias, dropout or returned scores; elsewhere Keras' attention runs and one INFO line says why. Off by
-            default until its speed and its agreement with Keras' attention are measured on GPUs
-            (tests/test_gpu.py, benchmarks/fused_attention_micro.py).
+            capability 8.0+, bfloat16 or float16, head size a multiple of 8 up to 128 (256 from compute capability
+            9.0), no mask, a causal one, grouped-query heads or padding masks made from the inputs' Keras masks; no
+            attention_mask tensor, bias, dropout or returned scores. Elsewhere Keras' attention runs and one INFO
+            line says why. "off": Keras' own attention everywhere.
 
     This builds the strategy only; `tf_nvlink.strategy()` also installs the training hooks (per-replica XLA,
     BatchNorm statistics in sync), and is what programs call.
@@ -232,6 +232,7 @@ def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = Non
         base.attach_fused_attention(built, fused_attention)
         _CURRENT.update(key=key, strategy=built, plan=plan)
     log.info(plan.summary())
+    log.info(attention_plan.summary(fused_attention))
     if optimizer_states == "sharded":
         log.info("tf_nvlink: optimizer states sharded over the %d local replicas (%s)",
                  len(built.extended.worker_devices), "each holds and updates its share" if base.shards_optimizer_states(built)

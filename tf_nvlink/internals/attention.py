@@ -1,16 +1,20 @@
-"""Seams of attention: Keras' TensorFlow `dot_product_attention` (what `keras.ops.dot_product_attention` and
-`MultiHeadAttention` call), and TensorFlow's op for an XLA custom call with several results.
+"""Seams of attention: Keras' TensorFlow `dot_product_attention` (what `keras.ops.dot_product_attention`,
+`MultiHeadAttention` and `GroupedQueryAttention` call), the attention masks those two layers make from their inputs'
+Keras masks (`_compute_attention_mask`), and TensorFlow's op for an XLA custom call with several results.
 
 Checked against Keras 3.12 to 3.15.1 (`keras.src.backend.tensorflow.nn`) and keras-nightly 3.16.0.dev2026102704
 (`keras.src.backend.tensorflow.ops.nn`), whose `dot_product_attention` `keras.src.ops.nn` looks up at each call
 (`backend.nn.`, then `backend.ops.nn.`), TensorFlow 2.21
 (`tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_custom_call_v2`: `tf.raw_ops` does not export XlaCustomCallV2,
-and the older XlaCustomCall aborts the process on a call with several results). Pinned in
-tests/internals/test_attention_seams.py.
+and the older XlaCustomCall aborts the process on a call with several results). The layers'
+`_compute_attention_mask(query, value, query_mask, value_mask, key_mask, attention_mask, use_causal_mask)`: Keras
+3.12 to 3.15.1 and 3.16's nightly (`MultiHeadAttention._sliding_window` and `GroupedQueryAttention.sliding_window`
+where this Keras has them). Pinned in tests/internals/test_attention_seams.py.
 
 Example:
     >>> from tf_nvlink.internals import attention
     >>> attention.install_attention_seam(rules)   # rules.dot_product_attention(keras_attention, arguments)
+    >>> attention.install_attention_mask_seam(rules)   # rules.attention_mask_made(mask, arguments)
 """
 
 from __future__ import annotations
@@ -55,6 +59,37 @@ def install_attention_seam(rules) -> None:
         return dot_product_attention
 
     REGISTRY.patch(tensorflow_nn, "dot_product_attention", patch)
+
+
+def _attention_layers():
+    from keras.src.layers.attention import grouped_query_attention, multi_head_attention  # noqa: PLC0415
+
+    return (multi_head_attention.MultiHeadAttention, grouped_query_attention.GroupedQueryAttention)
+
+
+def install_attention_mask_seam(rules) -> None:
+    """Patch `MultiHeadAttention._compute_attention_mask` and `GroupedQueryAttention`'s once -> after Keras' own,
+    `rules.attention_mask_made(mask, arguments)`, where `mask` is what Keras returns (the [B, T, S] mask the layer
+    passes on to `dot_product_attention`, expanded to [B, 1, T, S]; None without masks) and `arguments` the call's
+    arguments by name (query_mask, value_mask, key_mask, attention_mask, use_causal_mask) plus the layer's
+    `sliding_window` (None where this Keras has none)."""
+    for layer_class in _attention_layers():
+        def patch(original):
+            signature = inspect.signature(original)
+
+            @functools.wraps(original)
+            def _compute_attention_mask(self, *args, **kwargs):
+                mask = original(self, *args, **kwargs)
+                bound = signature.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+                arguments["sliding_window"] = getattr(self, "_sliding_window", getattr(self, "sliding_window", None))
+                rules.attention_mask_made(mask, arguments)
+                return mask
+
+            return _compute_attention_mask
+
+        REGISTRY.patch(layer_class, "_compute_attention_mask", patch)
 
 
 def xla_custom_call(operands, target: str, backend_config: str, result_dtypes, result_shapes) -> list:

@@ -89,6 +89,7 @@ KERAS_RULES = types.SimpleNamespace(
     batch_end_dispatch=fit_loop.batch_end_dispatch,
     # internals.attention
     dot_product_attention=fused_attention.dot_product_attention,
+    attention_mask_made=fused_attention.attention_mask_made,
 )
 
 
@@ -139,6 +140,7 @@ def install_keras_seams(rules=KERAS_RULES) -> str | None:
         layers.install_batch_norm_seam(rules)
         callbacks.install_batch_end_dispatch_seam(rules)
         attention.install_attention_seam(rules)
+        attention.install_attention_mask_seam(rules)
         return None
 
 
