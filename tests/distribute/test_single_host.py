@@ -72,6 +72,23 @@ def test_same_request_returns_same_strategy_and_different_one_raises(trained):
         tf_nvlink.strategy(cross_device_ops="collective")
 
 
+def test_one_device_spelled_differently_is_one_request(tf):
+    """Keras' own tests ask for ["CPU:0", "CPU:1"] in one module and ["cpu:0", "cpu:1"] in another: one request."""
+    from tf_nvlink.distribute import single_host
+
+    def key(devices):
+        return single_host._request_key("all", "auto", None, devices, "auto")
+
+    spellings = [["CPU:0", "CPU:1"], ["cpu:0", "cpu:1"], ["/cpu:0", "/CPU:1"], ["/device:CPU:0", "/device:cpu:1"],
+                 ["/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0/cpu:1"],
+                 [" CPU:0 ", "cpu:1"]]
+    assert len({key(devices) for devices in spellings}) == 1
+    assert key(["CPU:1", "CPU:0"]) != key(["CPU:0", "CPU:1"])  # another replica order
+    assert key(["GPU:0", "GPU:1"]) != key(["CPU:0", "CPU:1"])
+    assert key(["/job:worker/task:1/device:CPU:0"]) != key(["CPU:0"])
+    assert key(["not a device"]) == ("all", "auto", None, ("not a device",), "auto", key(None)[-1])
+
+
 def test_training_lowers_loss_and_keeps_replicas_identical(trained):
     losses = trained["history"]["loss"]
     assert losses[-1] < losses[0] * 0.8
@@ -283,9 +300,30 @@ REQUEST_CASES = {  # the strategy's requests, honoured or refused
 FAKED_MACHINE_CASES = {**DEGRADE_CASES, **REQUEST_CASES}
 
 
+# The one case that builds a strategy (one per process), so it runs last: the same devices spelled as Keras' tests
+# and TensorFlow's device listing spell them.
+SPELLINGS_CASE = """
+first = single_host.strategy(devices=["CPU:0", "CPU:1"], topology=nvml.probe(fake_nvml.FakeNvml(fake_nvml.no_driver())))
+again = [single_host.strategy(devices=devices) is first for devices in (
+    ["cpu:0", "cpu:1"], ["/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"])]
+try:
+    single_host.strategy(devices=["CPU:1", "CPU:0"])
+    other_order = None
+except RuntimeError as error:
+    other_order = str(error)
+result = {"again": again, "other_order": other_order}
+"""
+
 # Every faked machine in one scenario process of 2 logical CPUs.
 TWO_CPUS_SCENARIO = scenarios.Scenario("single_host: faked machines on 2 CPUs", _TWO_CPUS_PRELUDE, {
-    name: f"result = faked_machine(json.loads({json.dumps(case)!r}))" for name, case in FAKED_MACHINE_CASES.items()})
+    **{name: f"result = faked_machine(json.loads({json.dumps(case)!r}))" for name, case in FAKED_MACHINE_CASES.items()},
+    "one device list, several spellings": SPELLINGS_CASE})
+
+
+def test_the_same_devices_spelled_otherwise_return_the_same_strategy():
+    result = TWO_CPUS_SCENARIO.result("one device list, several spellings")
+    assert result["again"] == [True, True]
+    assert result["other_order"] and "different request" in result["other_order"]
 
 
 @pytest.fixture(scope="module")

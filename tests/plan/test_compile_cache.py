@@ -258,6 +258,18 @@ def test_the_users_folder_read_by_tensorflow_before_tf_nvlink_is_named_not_chang
     assert cc.recheck(state) == []  # named already: not again
 
 
+def test_tensorflow_started_without_the_flag_says_the_line_that_fixes_it(tmp_path, monkeypatch):
+    """A notebook that ran `tf.config.list_physical_devices("GPU")` before the strategy: the note says what to call
+    first, in a notebook's terms too, and the value to export."""
+    monkeypatch.setenv("TF_XLA_FLAGS", f"{cc.FLAG_DIR}={tmp_path}")
+    state = cc.what_tensorflow_read(cc.prepare(str(tmp_path), "k", {}), None)
+    assert state.folder is None and not state.active
+    assert "call tf_nvlink.strategy() before any tf.config call or TensorFlow op" in state.note
+    assert "in a notebook: restart the kernel, then build the strategy in the first cell" in state.note
+    assert f"export TF_XLA_FLAGS='{cc.FLAG_DIR}={tmp_path}' before Python starts" in state.note
+    assert "\n" not in state.note
+
+
 def test_recheck_deletes_from_tf_nvlinks_own_folder_only(tmp_path):
     own = cc.prepare(str(tmp_path / "cache"), "k", {})
     entry = write_entry(own.folder)

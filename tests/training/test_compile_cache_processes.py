@@ -346,3 +346,45 @@ def test_an_absl_example_reads_its_programs_back_on_its_second_run(tmp_path):
     assert len(read_lines) == 2, warm_log[-3000:]
     # the ERROR line the warm start's log line explains (TensorFlow reads an entry as text before binary)
     assert "Error parsing text-format tensorflow.XlaSerializedCacheEntry" in warm_log
+
+
+# A notebook's cells in the order a newcomer runs them, and in the order the warning asks for: the log records of
+# tf_nvlink and the compile cache the strategy got, as one JSON line.
+NOTEBOOK = r"""
+import json, logging, sys
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("tf_nvlink").addHandler(Keep())
+import tensorflow as tf
+import tf_nvlink
+from tf_nvlink.distribute import single_host
+if sys.argv[1] == "devices listed first":
+    tf.config.list_physical_devices("GPU")
+strategy = tf_nvlink.strategy()
+strategy = tf_nvlink.strategy()  # the cell run again
+tf.config.list_physical_devices("GPU")
+state = single_host.current_compile_cache()
+print(json.dumps({"records": records, "folder": state.folder, "active": state.active}))
+"""
+NOTEBOOKS = {order: scenarios.Background(f"compile cache: a notebook, {order}", NOTEBOOK, argv=[order],
+                                         env={"TF_XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2"}, preload=True,
+                                         expected_s=3)
+             for order in ("devices listed first", "strategy first")}
+
+
+def test_a_notebook_that_lists_the_devices_first_gets_one_warning_naming_the_fix():
+    done = NOTEBOOKS["devices listed first"].wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    assert run["folder"] is None and not run["active"]
+    (warning,) = [text for level, text in run["records"] if level == "WARNING" and "compile cache" in text]
+    assert "call tf_nvlink.strategy() before any tf.config call or TensorFlow op" in warning
+    assert "in a notebook: restart the kernel, then build the strategy in the first cell" in warning
+    # the fix: the same cells with the strategy first
+    done = NOTEBOOKS["strategy first"].wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    fixed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fixed["active"] and fixed["folder"], fixed
+    assert not [text for level, text in fixed["records"] if level == "WARNING" and "compile cache" in text]

@@ -112,11 +112,32 @@ def prepare_compile_cache(compile_cache="auto", request: str = "", topology: Opt
     return state
 
 
+def canonical_device_name(name: str) -> str:
+    """The one spelling of a device name of this process: case, `/device:` and the local
+    `/job:localhost/replica:0/task:0` prefix do not change which device a name means. A name TensorFlow cannot
+    parse comes back stripped (`check_devices` then refuses it).
+
+    Example:
+        >>> canonical_device_name("cpu:1"), canonical_device_name("/job:localhost/replica:0/task:0/device:CPU:1")
+        ('/job:localhost/replica:0/task:0/device:CPU:1', '/job:localhost/replica:0/task:0/device:CPU:1')
+    """
+    try:
+        spec = tf.DeviceSpec.from_string(name.strip())
+    except ValueError:
+        return name.strip()
+    return (f"/job:{spec.job or 'localhost'}/replica:{spec.replica or 0}/task:{spec.task or 0}"
+            f"/device:{(spec.device_type or '').upper()}:{spec.device_index or 0}")
+
+
 def _request_key(gpus, cross_device_ops, num_packs, devices, xla_allreduce, asked_options=step_options.DEFAULT_REQUEST):
     gpus_key = gpus.strip().lower() if isinstance(gpus, str) else tuple(gpus) if isinstance(gpus, (list, tuple)) \
         else gpus
     ops_key = cross_device_ops if isinstance(cross_device_ops, str) else ("instance", id(cross_device_ops))
-    return (gpus_key, ops_key, num_packs, tuple(devices) if devices else None, xla_allreduce, asked_options)
+    if isinstance(devices, (list, tuple)) and all(isinstance(name, str) for name in devices):
+        devices_key = tuple(canonical_device_name(name) for name in devices) or None
+    else:
+        devices_key = tuple(devices) if isinstance(devices, (list, tuple)) else devices  # refused by _build
+    return (gpus_key, ops_key, num_packs, devices_key, xla_allreduce, asked_options)
 
 
 def strategy(gpus="all", cross_device_ops="auto", num_packs: Optional[int] = None, *,

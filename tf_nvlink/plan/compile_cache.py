@@ -649,10 +649,11 @@ def what_tensorflow_read(state: CacheState, read: Optional[str]) -> CacheState:
     if read is None:
         return dataclasses.replace(state, folder=None, source=None, note=(
             f"compile cache not used in this process: TensorFlow listed its devices before tf_nvlink.strategy() "
-            f"set TF_XLA_FLAGS (under absl's app.run, importing TensorFlow does): import tf_nvlink at the top of "
-            f"the script, after absl's app (`from absl import app`) and before app.run(main) starts; or build the "
-            f"strategy before TensorFlow lists its devices; or export "
-            f"TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}'"))
+            f"set TF_XLA_FLAGS. To use it, call tf_nvlink.strategy() before any tf.config call or TensorFlow op (in "
+            f"a notebook: restart the kernel, then build the strategy in the first cell); under absl's app.run, "
+            f"which lists the devices before main, import tf_nvlink at the top of the script, after "
+            f"`from absl import app`; or export TF_XLA_FLAGS='{os.environ.get('TF_XLA_FLAGS', '')}' before Python "
+            f"starts"))
     made = _READ_THROUGH.get(read)
     if made is not None:  # an earlier `prepare` of this process made that reading folder
         return made
