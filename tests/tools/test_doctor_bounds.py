@@ -147,9 +147,12 @@ def test_a_fusion_that_slices_an_operand_reads_the_slice_and_one_updating_in_pla
     taken = hlo.fusion("dynamic_slice_fusion.1", ("F32", [1, 1024]), [stacked, index], take)
     buffer = hlo.parameter("buffer", ("F32", [8, 1024]), 2)
 
-    def put(computation, params):
-        return hlo.add("dynamic-update-slice.1", "dynamic-update-slice", ("F32", [8, 1024]),
-                       [params[0], params[1], params[2], params[2]], computation)
+    def put(computation, params):  # the buffer and the result seen through bitcasts, as XLA's layouts make them
+        flat = hlo.add("bitcast.1", "bitcast", ("F32", [8, 1, 1024]), [params[0]], computation)
+        update = hlo.add("bitcast.2", "bitcast", ("F32", [1, 1, 1024]), [params[1]], computation)
+        updated = hlo.add("dynamic-update-slice.1", "dynamic-update-slice", ("F32", [8, 1, 1024]),
+                          [flat, update, params[2], params[2], params[2]], computation)
+        return hlo.add("bitcast.3", "bitcast", ("F32", [8, 1024]), [updated], computation)
 
     put_back = hlo.fusion("dynamic_update_slice_fusion.1", ("F32", [8, 1024]), [buffer, taken, index], put)
     costs = hlo_cost.ModuleCosts(hlo.done().hlo_module)

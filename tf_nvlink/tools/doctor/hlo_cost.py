@@ -163,11 +163,6 @@ class ModuleCosts:
         return self._costs[instruction.id]
 
     # -- bytes of a fusion ---------------------------------------------------------------------------------------
-    def _through_bitcasts(self, instruction):
-        while instruction is not None and instruction.opcode == "bitcast":
-            instruction = self._operand(instruction, 0)
-        return instruction
-
     def _fusion_bytes(self, fusion) -> tuple[int, int]:
         """(bytes read, bytes written) of a fusion: each operand once, slices and in-place updates as the module doc
         says."""
@@ -184,6 +179,8 @@ class ModuleCosts:
         outputs = [inner[i] for i in root.operand_ids if i in inner] if root.opcode == "tuple" else [root]
         written, updated_in_place = 0, set()
         for output in outputs:
+            while output.opcode == "bitcast" and output.operand_ids and output.operand_ids[0] in inner:
+                output = inner[output.operand_ids[0]]
             if output.opcode == "dynamic-update-slice" and len(output.operand_ids) > 1:
                 written += shape_bytes(inner[output.operand_ids[1]].shape) if output.operand_ids[1] in inner else 0
                 chain, target = [output], inner.get(output.operand_ids[0])
