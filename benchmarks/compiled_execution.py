@@ -26,7 +26,9 @@ after a warm-up fit that compiles:
   sharded      the compiled execution with `optimizer_states="sharded"` (each replica holds and updates its share of
                the optimizer's slots; on one GPU the replicated path runs, which this row checks costs nothing);
   torch        resnet50 and the Transformers: the PyTorch peer (benchmarks/torch_peer.py), torch.compile with the
-               same optimizer, in a child process that compiles while TensorFlow does;
+               same optimizer, in a child process that compiles while TensorFlow does; after the rounds
+               torch.profiler traces 10 of its steps (with the doctor on), and its kernels' time by kind of work
+               is set beside the step doctor's kinds and their bounds for the compiled execution;
   advised      the compiled execution at the N the step doctor advises for the spe=1 model (--doctor_n, when
                that N is not --steps_per_execution).
 The host-fed setups read one synthetic batch from host memory through tf.data (uint8 images cast on the GPU,
@@ -66,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/tor
 from tf_nvlink.plan import gpu_peaks  # noqa: E402
 from tf_nvlink.tools import bench_models, bench_stats  # noqa: E402
 from tf_nvlink.tools.doctor import outputs, trace  # noqa: E402
+from tf_nvlink.tools.doctor.work_kinds import WORK_KINDS  # noqa: E402
 from tf_nvlink.util import atomic_files  # noqa: E402
 from torch_peer import PEER_MODELS, TorchPeer  # noqa: E402 - benchmarks/torch_peer.py
 
@@ -217,6 +220,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     if peer:
         peer.wait_until_ready()
     seconds = {setup: [] for setup in setups}
+    torch_work = None
     try:
         for round_index in range(_ROUNDS.value):
             order = setups[round_index % len(setups):] + setups[:round_index % len(setups)]
@@ -224,6 +228,8 @@ def bench_model(name: str, strategy, setups: list) -> dict:
                 if setup != "torch":
                     set_plan(strategy, plans[setup], setup)
                 seconds[setup].append(peer.run() if setup == "torch" else timed_fit(*models[setup], steps))
+        if peer and _DOCTOR.value:
+            torch_work = peer.profile()
     finally:
         if peer:
             peer.close()
@@ -242,7 +248,7 @@ def bench_model(name: str, strategy, setups: list) -> dict:
     record = {"model": name, "global_batch": global_batch, "steps": steps, "steps_per_execution": n,
               "optimizer": optimizer, "gpu": gpu, "model_flops_per_step": flops,
               "flop_count": FLOP_COUNT if flops else None,
-              "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report,
+              "rounds": _ROUNDS.value, "rows": rows, "doctor": doctor_report, "torch_work": torch_work,
               "prediction": prediction_check(doctor_report, rows, advised or n,
                                              "advised" if "advised" in rows else "compiled"),
               "against_compute": against_compute(doctor_report, rows)}
@@ -344,6 +350,35 @@ def doctor_work_lines(report: dict, label: str) -> list:
     return lines
 
 
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def kind_table(record: dict) -> list:
+    """The two steps kind by kind, ms per step: the step doctor's window of the compiled execution (else of spe=1)
+    with each kind's bound and measured / bound (`tf_nvlink.tools.doctor.bounds`), and the PyTorch peer's kernels
+    by the same kinds (torch.profiler, `torch_peer.work_by_kind`); the GPU's busy time last."""
+    theirs = record.get("torch_work") or {}
+    label, doctor = next(((label, report) for label, report in (
+        (f"compiled, N={record['steps_per_execution']}", record.get("doctor_compiled")),
+        ("spe=1", record.get("doctor"))) if (report or {}).get("mean")), ("no window", {}))
+    mean = doctor.get("mean") or {}
+    ours, bounds = mean.get("work_ms") or {}, (doctor.get("work_bounds") or {}).get("kinds") or {}
+    torch_ms = theirs.get("work_ms") or {}
+    kinds = [kind for kind in WORK_KINDS if ours.get(kind) or torch_ms.get(kind)]
+    if not kinds:
+        return []
+    torch_label = f"torch.profiler, {theirs.get('steps')} steps" if theirs else "not run"
+    lines = [f"by kind of work, ms per step: tf_nvlink (the step doctor, {label}) and torch ({torch_label})",
+             "| kind | tf_nvlink | its bound | x bound | torch |", "| --- | --- | --- | --- | --- |"]
+    for kind in kinds:
+        row = bounds.get(kind) or {}
+        lines.append(f"| {kind} | {_cell(ours.get(kind))} | {_cell(row.get('bound_ms'))} | "
+                     f"{_cell(row.get('x_bound'))} | {_cell(torch_ms.get(kind))} |")
+    lines.append(f"| GPU busy | {_cell(mean.get('busy_ms'))} | - | - | {_cell(theirs.get('busy_ms'))} |")
+    return lines
+
+
 def render(record: dict) -> str:
     rows = record["rows"]
     flops = record.get("model_flops_per_step")
@@ -401,6 +436,7 @@ def render(record: dict) -> str:
             lines += doctor_work_lines(compiled, f"{fed}, N={record['steps_per_execution']}")
         elif compiled:
             lines.append(f"doctor ({fed}): {compiled.get('unavailable')}")
+    lines += kind_table(record)
     return "\n".join(lines)
 
 

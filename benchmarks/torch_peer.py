@@ -17,27 +17,129 @@ or AdamW (fused on the GPU) with the same learning rate, betas, epsilon and weig
     peer = TorchPeer("transformer", batch=8, steps=96, warmup_steps=15, optimizer="adamw")   # compiles while the
     peer.wait_until_ready()                                                                # TensorFlow side does
     seconds = peer.run()                                    # one timed run of `steps` steps
-    peer.close()
+    work = peer.profile()                                   # torch.profiler over PROFILED_STEPS steps: ms per step
+    peer.close()                                            # by kind of work, the step doctor's kinds
 
 `python benchmarks/torch_peer.py MODEL BATCH STEPS WARMUP_STEPS OPTIMIZER [DEVICE]` is the child: it compiles and
-warms up, prints "ready", then times `STEPS` steps for each "run" line on stdin and prints {"fit_s": ...}; it exits
-on "quit". DEVICE is "cuda" (default) or "cpu" (a smoke run of the same code on small shapes).
+warms up, prints "ready", then times `STEPS` steps for each "run" line on stdin and prints {"fit_s": ...}, profiles
+PROFILED_STEPS steps for each "profile" line and prints `work_by_kind` of their kernels; it exits on "quit". DEVICE is
+"cuda" (default) or "cpu" (a smoke run of the same code on small shapes).
+
+The kinds of the PyTorch step's kernels (`torch_kernel_kind`) are the step doctor's (`work_kinds.WORK_KINDS`), read
+from the kernel names torch.profiler records (cuBLAS, cuDNN, FlashAttention, NCCL, ATen's CUDA kernels and
+TorchInductor's Triton kernels, `triton_{poi,per,red,tem,for}_fused_<ops>_<n>`, which name the ops they fused):
+1. copy: memory copies and memsets (peer-to-peer copies: collective); collective: NCCL;
+2. attention: fused attention (flash, fmha, sdpa, attention in the name);
+3. optimizer: the optimizer's kernels (adam, sgd, lamb, lion, multi_tensor_apply: PyTorch's foreach and fused
+   optimizers; Inductor's foreach kernels, triton_for_);
+4. loss: log_softmax, nll_loss, cross_entropy;
+5. normalisation: layer_norm, batch_norm, rms_norm, group_norm and their gradient kernels (GammaBetaBackward,
+   RowwiseMoments, cuDNN's bn_fw/bn_bw);
+6. attention: a softmax that is not the loss's (the scores' softmax of unfused attention);
+7. matmul: gemm, gemv, nvjet, cutlass, xmma, hmma, cublas, Inductor's templates (triton_tem_), convolutions;
+8. elementwise: any other Triton or ATen kernel (elementwise, reductions, casts, copies of tensors, gathers);
+9. other: the rest.
+The time of a kind is the union of its kernels' intervals, per step, as the doctor measures it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tf_nvlink, for the configs
 
 from tf_nvlink.tools import bench_models  # noqa: E402 - imports neither TensorFlow nor Keras
+from tf_nvlink.tools.doctor.breakdown import length, merge  # noqa: E402 - neither
+from tf_nvlink.tools.doctor.work_kinds import WORK_KINDS  # noqa: E402 - neither
 
 PEER_MODELS = ("resnet50",) + tuple(bench_models.TRANSFORMER_CONFIGS)
 DISTINCT_BATCHES = 8  # the Transformer peer's host batches, one copied each step
+PROFILED_STEPS = 10  # steps torch.profiler traces for "profile" (the step doctor's default window)
+# (kind, regular expression over the lower-case kernel name), the first match wins (the module doc's rules 2 to 8)
+TORCH_KIND_RULES = (
+    ("attention", r"flash|fmha|sdpa|attention|fused_mha"),
+    ("optimizer", r"adam|sgd|lamb(?!da)|(?<![a-z])lion|multi_tensor_apply|triton_for_"),  # not C++'s "{lambda()#1}"
+    ("loss", r"log_?softmax|nll_loss|cross_entropy"),
+    ("normalisation", r"layer_?norm|batch_?norm|rms_?norm|group_?norm|gammabeta|rowwisemoments|\bbn_(fw|bw)"),
+    ("attention", r"softmax"),
+    ("matmul", r"gemm|gemv|nvjet|cutlass|xmma|hmma|cublas|triton_tem_|convolution|convolve|conv[123]d|dgrad|wgrad|"
+               r"fprop"),
+    ("elementwise", r"triton_|at::native|elementwise|reduce_kernel|index|gather|scatter|embedding|copy|fill"),
+)
+
+
+def torch_kernel_kind(name: str, category: str = "kernel") -> str:
+    """The step doctor's kind of work of a kernel of the PyTorch step, from its name as torch.profiler records it and
+    its category in the Chrome trace ("kernel", "gpu_memcpy", "gpu_memset"); see the module doc.
+
+    Example:
+        >>> torch_kernel_kind("triton_per_fused_native_layer_norm_native_layer_norm_backward_12")
+        'normalisation'
+        >>> torch_kernel_kind("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy")
+        'copy'
+    """
+    low = name.lower()
+    if category in ("gpu_memcpy", "gpu_memset") or low.startswith(("memcpy", "memset")):
+        return "collective" if "ptop" in low else "copy"
+    if "nccl" in low:
+        return "collective"
+    return next((kind for kind, pattern in TORCH_KIND_RULES if re.search(pattern, low)), "other")
+
+
+def work_by_kind(trace_events: list, steps: int, top: int = 12) -> dict:
+    """The GPU events of a torch.profiler Chrome trace (`export_chrome_trace`'s "traceEvents") by kind of work, per
+    step: "work_ms" (per kind, the union of its events' intervals), "busy_ms" (the union of all), and the `top`
+    kernels by time with their kinds ("kernels": [name, kind, ms per step]).
+
+    Example:
+        >>> work_by_kind([{"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": 0.0, "dur": 250.0}], 1)
+        {'work_ms': {'attention': 0.25}, 'busy_ms': 0.25, 'kernels': [['flash_fwd_kernel', 'attention', 0.25]]}
+    """
+    by_kind: dict[str, list] = {}
+    by_name: dict[str, float] = {}
+    everything = []
+    for event in trace_events:
+        if event.get("ph") != "X" or event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start, duration = float(event["ts"]), float(event.get("dur", 0.0))  # microseconds
+        kind = torch_kernel_kind(event.get("name", ""), event["cat"])
+        by_kind.setdefault(kind, []).append((start, start + duration))
+        everything.append((start, start + duration))
+        by_name[event.get("name", "")] = by_name.get(event.get("name", ""), 0.0) + duration
+    per_step_ms = 1e-3 / max(steps, 1)
+    work = {kind: round(length(merge(by_kind[kind])) * per_step_ms, 4) for kind in WORK_KINDS if kind in by_kind}
+    busiest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    return {"work_ms": work, "busy_ms": round(length(merge(everything)) * per_step_ms, 4),
+            "kernels": [[name[:120], torch_kernel_kind(name), round(total * per_step_ms, 4)]
+                        for name, total in busiest]}
+
+
+def profile_steps(step, steps: int, device) -> dict:
+    """`work_by_kind` of `steps` calls of `step` traced by torch.profiler (CUDA activity; on the CPU, no kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        for _ in range(steps):
+            step()
+        return work_by_kind([], steps)
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory(prefix="torch_peer_profile_") as folder:
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace).get("traceEvents", [])
+    return work_by_kind(events, steps)
 
 
 def torch_optimizer(name: str, parameters, device):
@@ -169,6 +271,10 @@ def torch_child(model_name: str, batch: int, steps: int, warmup_steps: int, opti
     synchronize()
     print("ready", flush=True)
     for line in sys.stdin:
+        if line.strip() == "profile":
+            profiled = min(steps, PROFILED_STEPS)
+            print(json.dumps({"steps": profiled, **profile_steps(step, profiled, device)}), flush=True)
+            continue
         if line.strip() != "run":
             break
         started = time.perf_counter()
@@ -217,6 +323,12 @@ class TorchPeer:
         self.process.stdin.write("run\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())["fit_s"]
+
+    def profile(self) -> dict:
+        """torch.profiler over min(steps, PROFILED_STEPS) steps: `work_by_kind` of their kernels and "steps"."""
+        self.process.stdin.write("profile\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
 
     def close(self) -> None:
         if self.process.poll() is None:

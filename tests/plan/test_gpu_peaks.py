@@ -1,5 +1,5 @@
-"""The bf16 dense peak table (tf_nvlink.plan.gpu_peaks): names as NVML and TensorFlow print them, the MFU arithmetic
-and its bad input."""
+"""The bf16 dense peak and memory bandwidth tables (tf_nvlink.plan.gpu_peaks): names as NVML and TensorFlow print
+them, the MFU arithmetic and its bad input."""
 
 import pytest
 
@@ -60,3 +60,49 @@ def test_bad_mfu_input_names_the_problem(flops, seconds, gpus):
     with pytest.raises(ValueError, match="should be positive and gpus a positive integer. Received: "
                                          "model_flops_per_step="):
         gpu_peaks.mfu(flops, seconds, "NVIDIA H100 80GB HBM3", gpus)
+
+
+@pytest.mark.parametrize("name, label, tb_per_s", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 3.35),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 2.0),
+    ("NVIDIA H100 NVL", "H100 NVL", 3.9),
+    ("NVIDIA H200", "H200 SXM", 4.8),
+    ("NVIDIA H200 NVL", "H200 NVL", 4.8),
+    ("NVIDIA GH200 480GB", "GH200", 4.0),              # 96 GB of HBM3 beside 480 GB of LPDDR5X
+    ("NVIDIA B200", "B200", 8.0),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB", 1.555),
+    ("NVIDIA A100-PCIE-40GB", "A100 40GB", 1.555),
+    ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM", 2.039),
+    ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe", 1.935),
+    ("NVIDIA L40S", "L40S", 0.864),
+    ("NVIDIA L40", "L40", 0.864),
+    ("NVIDIA L4", "L4", 0.3),
+    ("Tesla V100-SXM2-32GB", "V100", 0.9),
+    ("Tesla V100S-PCIE-32GB", "V100S", 1.134),
+    ("NVIDIA GeForce RTX 3090", "RTX 3090", 0.936),
+])
+def test_names_as_nvml_prints_them_find_their_memory_bandwidth(name, label, tb_per_s):
+    row = gpu_peaks.memory_bandwidth(name)
+    assert (row.label, row.tb_per_s) == (label, tb_per_s)
+    assert row.source.endswith(f"GPU memory bandwidth {row.printed}") and ("datasheet" in row.source
+                                                                            or "specifications" in row.source)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 3090 Ti", "NVIDIA GB200", "NVIDIA A10", "", None])
+def test_a_gpu_not_in_the_bandwidth_table_has_none(name):
+    assert gpu_peaks.memory_bandwidth(name) is None
+
+
+def test_each_bandwidth_is_the_figure_its_datasheet_prints():
+    for row in gpu_peaks.HBM_BANDWIDTHS:
+        number, unit = float(row.printed[:-4].replace(",", "")), row.printed[-4:]
+        assert unit in ("TB/s", "GB/s"), row.label
+        assert row.tb_per_s == pytest.approx(number if unit == "TB/s" else number / 1000), row.label
+
+
+def test_every_gpu_with_a_bf16_peak_has_a_bandwidth():
+    """The bounds of the step doctor need both: each peak row's name pattern finds a bandwidth."""
+    for name in ("NVIDIA GH200 480GB", "NVIDIA H200 NVL", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+                 "NVIDIA H100 80GB HBM3", "NVIDIA B200", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S", "NVIDIA L40",
+                 "NVIDIA L4"):
+        assert gpu_peaks.bf16_dense_peak(name).label.split()[0] == gpu_peaks.memory_bandwidth(name).label.split()[0]

@@ -1,6 +1,6 @@
 """benchmarks/compiled_execution.py's Transformer rows: the PyTorch peer beside each Transformer, the model's TFLOP/s
-and MFU in the table and the JSON, the doctor's kinds of work in the log, and a CPU run of the 2048-token path's
-code on the tiny model."""
+and MFU in the table and the JSON, the doctor's kinds of work in the log and beside the peer's kind by kind, and a CPU
+run of the 2048-token path's code on the tiny model."""
 
 from __future__ import annotations
 
@@ -78,6 +78,34 @@ def test_the_doctors_kinds_of_work_and_mfu_go_to_the_log(bench):
         "doctor (compiled, N=8): model FLOPs 8.854 TFLOP a step: 250.0 TFLOP/s per GPU, MFU 25.3% of the H200 SXM's "
         "989.4 TFLOP/s (bf16 dense); on the kernels' time alone 27.0%"]
     assert bench.doctor_work_lines({"unavailable": "no GPU"}, "spe=1") == []
+
+
+def test_the_two_steps_compare_kind_by_kind_with_the_doctors_bounds(bench):
+    """The doctor's window of the compiled execution (its bounds) beside the PyTorch peer's kernels by kind."""
+    record = transformer_record(bench, "NVIDIA H100 80GB HBM3")
+    record["doctor"] = {"mean": {"work_ms": {"matmul": 99.0}, "busy_ms": 99.0}}  # spe=1: not the one shown
+    record["doctor_compiled"] = {
+        "setup": "compiled",
+        "mean": {"work_ms": {"matmul": 12.37, "attention": 2.22, "normalisation": 6.14, "copy": 0.01},
+                 "busy_ms": 31.44, "step_ms": 33.7, "compute_ms": 31.4, "idle_ms": 2.26, "exposed_h2d_ms": 0.0},
+        "work_bounds": {"kinds": {"matmul": {"bound_ms": 8.3, "x_bound": 1.4904},
+                                  "normalisation": {"bound_ms": 0.7, "x_bound": 8.7714},
+                                  "attention": {"bound_ms": None, "x_bound": None}}}}
+    record["torch_work"] = {"steps": 10, "work_ms": {"matmul": 11.02, "attention": 1.9, "elementwise": 3.1},
+                            "busy_ms": 26.9, "kernels": []}
+    lines = bench.render(record).splitlines()
+    start = lines.index("by kind of work, ms per step: tf_nvlink (the step doctor, compiled, N=8) and torch "
+                        "(torch.profiler, 10 steps)")
+    assert lines[start + 1:] == [
+        "| kind | tf_nvlink | its bound | x bound | torch |", "| --- | --- | --- | --- | --- |",
+        "| matmul | 12.37 | 8.30 | 1.49 | 11.02 |", "| attention | 2.22 | - | - | 1.90 |",
+        "| normalisation | 6.14 | 0.70 | 8.77 | - |", "| elementwise | - | - | - | 3.10 |",
+        "| copy | 0.01 | - | - | - |", "| GPU busy | 31.44 | - | - | 26.90 |"]
+    del record["doctor_compiled"], record["torch_work"]
+    assert bench.kind_table(record)[0] == ("by kind of work, ms per step: tf_nvlink (the step doctor, spe=1) and "
+                                           "torch (not run)")
+    record["doctor"] = None
+    assert bench.kind_table(record) == []
 
 
 @pytest.mark.slow  # a TensorFlow process training the tiny Transformer twice: about 15 s

@@ -1,6 +1,7 @@
-"""The PyTorch peer (benchmarks/torch_peer.py): its arguments checked before a child starts, and, with a Python that
-has torch ($TORCH_PYTHON, or this one when it has torch), its Transformer computing the Keras benchmark model's loss
-from the same weights and its child training on the CPU."""
+"""The PyTorch peer (benchmarks/torch_peer.py): its arguments checked before a child starts, its kernels' kinds of work
+from realistic kernel names and its Chrome trace read into ms per step by kind, and, with a Python that has torch
+($TORCH_PYTHON, or this one when it has torch), its Transformer computing the Keras benchmark model's loss from the same
+weights, its child training on the CPU and, on a GPU, its profiled kernels falling into the step doctor's kinds."""
 
 from __future__ import annotations
 
@@ -47,6 +48,93 @@ def test_bad_arguments_are_refused_before_a_child_starts(torch_peer, model, opti
     with pytest.raises(ValueError) as raised:
         torch_peer.TorchPeer(model, 8, 4, 2, optimizer=optimizer, device=device, python="/nonexistent/python")
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("name, kind", [
+    # cuBLAS and cuBLASLt gemms, cuDNN convolutions, CUTLASS, Inductor's gemm templates
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__"
+     "5x_cublas", "matmul"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", "matmul"),
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN", "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", "matmul"),
+    ("sm80_xmma_fprop_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "matmul"),
+    ("triton_tem_fused_addmm_gelu_4", "matmul"),
+    # fused attention: FlashAttention in PyTorch, its memory-efficient kernels, cuDNN's SDPA
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+     "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, false, "
+     "true, true, false, false>(pytorch_flash::Flash_fwd_params)", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 2, 4, "
+     "2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 8, cutlass::bfloat16_t> >>", "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<cutlass::arch::Sm80>)",
+     "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("triton_per_fused__softmax_9", "attention"),  # the scores' softmax of attention that is not fused
+    # the optimizer: fused AdamW, foreach kernels, Inductor's foreach kernels
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float const*, float "
+     "const*>", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<2>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 2, 2, 0>>",
+     "optimizer"),
+    ("triton_for_fused_0", "optimizer"),
+    # the loss, normalisation (Inductor's fusions name their ops; ATen's and cuDNN's kernels)
+    ("triton_red_fused__log_softmax__to_copy_nll_loss_forward_21", "loss"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "loss"),
+    ("triton_per_fused_native_layer_norm_native_layer_norm_backward_12", "normalisation"),
+    ("triton_per_fused_add_native_layer_norm_5", "normalisation"),   # the residual add fused into the LayerNorm
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "normalisation"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<c10::BFloat16, float>", "normalisation"),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<__nv_bfloat16, float, 512, true, 1>(cudnnTensorStruct, "
+     "__nv_bfloat16 const*)", "normalisation"),
+    # elementwise: Inductor's pointwise and reductions, ATen's elementwise kernels (C++ lambdas are no LAMB)
+    ("triton_poi_fused_gelu_gelu_backward_7", "elementwise"),
+    ("triton_red_fused_sum_3", "elementwise"),
+    ("triton_poi_fused__to_copy_add_convert_element_type_3", "elementwise"),  # "convert" is no convolution
+    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+     "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(float)#1}> >",
+     "elementwise"),
+    ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float, float, long>", "elementwise"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("some_library_kernel_without_a_mark", "other"),
+])
+def test_the_peers_kernels_take_the_step_doctors_kinds(torch_peer, name, kind):
+    assert torch_peer.torch_kernel_kind(name) == kind
+
+
+def test_copies_and_memsets_are_copies_and_peer_copies_collective(torch_peer):
+    assert torch_peer.torch_kernel_kind("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy") == "copy"
+    assert torch_peer.torch_kernel_kind("Memset (Device)", "gpu_memset") == "copy"
+    assert torch_peer.torch_kernel_kind("Memcpy PtoP (Device -> Device)", "gpu_memcpy") == "collective"
+    assert {kind for kind, _ in torch_peer.TORCH_KIND_RULES} < set(torch_peer.WORK_KINDS)
+
+
+def chrome_event(name, start_us, duration_us, category="kernel"):
+    return {"ph": "X", "cat": category, "name": name, "ts": start_us, "dur": duration_us, "pid": 0, "tid": 7}
+
+
+def test_work_by_kind_gives_each_kinds_union_per_step_as_the_doctor_measures_it(torch_peer):
+    """Two steps: a gemm, two LayerNorm kernels side by side on two streams (their union counted), a copy, the
+    optimizer; CPU-side events and flow events are not GPU work."""
+    events = []
+    for step in range(2):
+        base = step * 10_000.0
+        events += [chrome_event("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN", base, 3000.0),
+                   chrome_event("triton_per_fused_native_layer_norm_0", base + 3000.0, 1000.0),
+                   chrome_event("triton_per_fused_native_layer_norm_1", base + 3500.0, 1000.0),
+                   chrome_event("Memcpy HtoD (Pinned -> Device)", base + 3200.0, 100.0, "gpu_memcpy"),
+                   chrome_event("triton_for_fused_0", base + 5000.0, 2000.0),
+                   chrome_event("aten::mm", base, 50.0, "cpu_op"),
+                   {"ph": "f", "cat": "ac2g", "name": "flow", "ts": base}]
+    found = torch_peer.work_by_kind(events, steps=2, top=3)
+    assert found["work_ms"] == {"matmul": 3.0, "normalisation": 1.5, "optimizer": 2.0, "copy": 0.1}
+    assert list(found["work_ms"]) == ["matmul", "normalisation", "optimizer", "copy"]  # the doctor's order
+    assert found["busy_ms"] == 6.5
+    assert found["kernels"] == [["nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNN", "matmul", 3.0],
+                                ["triton_for_fused_0", "optimizer", 2.0],
+                                ["triton_per_fused_native_layer_norm_0", "normalisation", 1.0]]
+    assert torch_peer.work_by_kind([], steps=10) == {"work_ms": {}, "busy_ms": 0.0, "kernels": []}
 
 
 # Runs in the Python with torch: the Keras weights (npz, Keras' paths with "/" as "|") into the peer's model, its loss
@@ -125,6 +213,26 @@ def test_the_transformer_peer_trains_on_the_cpu_through_its_protocol(torch_peer)
     try:
         peer.wait_until_ready()
         seconds = [peer.run(), peer.run()]
+        work = peer.profile()  # on the CPU the steps run, and no kernel is traced
     finally:
         peer.close()
     assert all(s > 0 for s in seconds) and peer.process.returncode == 0
+    assert work == {"steps": 3, "work_ms": {}, "busy_ms": 0.0, "kernels": []}
+
+
+@needs_torch
+@pytest.mark.gpu
+def test_the_transformer_peers_kernels_on_a_gpu_fall_into_the_doctors_kinds(torch_peer):
+    """torch.compile's kernels of the tiny Transformer with AdamW on a GPU: every kind the step has gets time, and the
+    kernels no rule knows take under 5% of the step."""
+    peer = torch_peer.TorchPeer("transformer_tiny", batch=4, steps=12, warmup_steps=3, optimizer="adamw",
+                                python=TORCH_PYTHON)
+    try:
+        peer.wait_until_ready()
+        work = peer.profile()
+    finally:
+        peer.close()
+    assert work["steps"] == torch_peer.PROFILED_STEPS
+    assert all(work["work_ms"].get(kind, 0) > 0 for kind in ("matmul", "attention", "normalisation", "elementwise",
+                                                             "optimizer", "loss")), work
+    assert work["work_ms"].get("other", 0) < 0.05 * work["busy_ms"], work["kernels"]

@@ -1,10 +1,12 @@
-"""The bf16 dense tensor-core peak of NVIDIA GPUs by name, and the model FLOPs utilisation (MFU) it gives.
+"""The bf16 dense tensor-core peak and the memory bandwidth of NVIDIA GPUs by name, and the model FLOPs utilisation
+(MFU) the peak gives.
 
 MFU = model FLOPs per step / (step time x the GPUs' bf16 dense peak). The peaks are NVIDIA's datasheet figures for
 BF16 tensor cores, dense, without sparsity: the datasheets print twice these figures, "with sparsity" (2:4
 structured sparsity, which dense training does not use). A name is matched by its model token as NVML and
 TensorFlow print it ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"); a GPU not in the
-table has no peak, and its MFU is "n/a".
+table has no peak, and its MFU is "n/a". The memory bandwidths (`HBM_BANDWIDTHS`, HBM or GDDR as the board has) are
+the datasheets' "GPU memory bandwidth" figures, in TB/s of 10^12 bytes.
 
 Example:
     >>> peak = bf16_dense_peak("NVIDIA H100 80GB HBM3")
@@ -55,6 +57,65 @@ PEAKS = (
     GpuPeak("L40", r"\bL40\b", 181.05, 362.1, "NVIDIA L40 datasheet"),
     GpuPeak("L4", r"\bL4\b", 121, 242, "NVIDIA L4 datasheet"),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMemory:
+    """One row of the memory-bandwidth table: the GPU (`label`), the regular expression its NVML/CUDA name matches
+    (upper case), its memory bandwidth in TB/s (10^12 bytes a second), the figure as its datasheet prints it and
+    the datasheet."""
+
+    label: str
+    pattern: str
+    tb_per_s: float
+    printed: str
+    datasheet: str
+
+    @property
+    def source(self) -> str:
+        return f"{self.datasheet}: GPU memory bandwidth {self.printed}"
+
+
+# First match wins, as in PEAKS: the boards of one chip with another memory before the rest of its name. V100 and the
+# RTX 3090 have a bandwidth and no bf16 dense peak in PEAKS (V100 has no bf16 tensor cores).
+HBM_BANDWIDTHS = (
+    GpuMemory("GH200 HBM3e", r"\bGH200\b.*(144G|HBM3E)", 4.9, "4.9TB/s",
+              "NVIDIA GH200 Grace Hopper Superchip datasheet, 144GB HBM3e"),
+    GpuMemory("GH200", r"\bGH200\b", 4.0, "4TB/s", "NVIDIA GH200 Grace Hopper Superchip datasheet, 96GB HBM3"),
+    GpuMemory("H200 NVL", r"\bH200\b.*\bNVL\b", 4.8, "4.8TB/s", "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL"),
+    GpuMemory("H200 SXM", r"\bH200\b", 4.8, "4.8TB/s", "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM"),
+    GpuMemory("H100 PCIe", r"\bH100\b.*\bPCIE\b", 2.0, "2TB/s", "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe"),
+    GpuMemory("H100 NVL", r"\bH100\b.*\bNVL\b", 3.9, "3.9TB/s", "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL"),
+    GpuMemory("H100 SXM", r"\bH100\b", 3.35, "3.35TB/s", "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM"),
+    GpuMemory("B200", r"\bB200\b", 8.0, "8TB/s", "NVIDIA HGX B200 datasheet, per GPU"),
+    GpuMemory("A100 80GB PCIe", r"\bA100\b(?=.*80GB)(?=.*\bPCIE\b)", 1.935, "1,935GB/s",
+              "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB PCIe"),
+    GpuMemory("A100 80GB SXM", r"\bA100\b.*80GB", 2.039, "2,039GB/s",
+              "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM"),
+    GpuMemory("A100 40GB", r"\bA100\b", 1.555, "1,555GB/s",
+              "NVIDIA A100 Tensor Core GPU datasheet, A100 40GB (PCIe and SXM)"),
+    GpuMemory("L40S", r"\bL40S\b", 0.864, "864GB/s", "NVIDIA L40S datasheet"),
+    GpuMemory("L40", r"\bL40\b", 0.864, "864GB/s", "NVIDIA L40 datasheet"),
+    GpuMemory("L4", r"\bL4\b", 0.3, "300GB/s", "NVIDIA L4 datasheet"),
+    GpuMemory("V100S", r"\bV100S\b", 1.134, "1,134GB/s", "NVIDIA V100 Tensor Core GPU datasheet, V100S PCIe"),
+    GpuMemory("V100", r"\bV100\b", 0.9, "900GB/s", "NVIDIA V100 Tensor Core GPU datasheet (SXM2 and PCIe)"),
+    GpuMemory("RTX 3090", r"\bRTX 3090\b(?!\s*TI)", 0.936, "936GB/s", "NVIDIA GeForce RTX 3090 specifications"),
+)
+
+
+def memory_bandwidth(gpu_name: Optional[str]) -> Optional[GpuMemory]:
+    """The memory-bandwidth table's row for a GPU name as NVML or TensorFlow give it, or None for a GPU not in it.
+
+    Example:
+        >>> memory_bandwidth("NVIDIA H100 80GB HBM3").tb_per_s
+        3.35
+        >>> memory_bandwidth("NVIDIA A100-SXM4-80GB").label
+        'A100 80GB SXM'
+    """
+    if not gpu_name:
+        return None
+    upper = gpu_name.upper()
+    return next((row for row in HBM_BANDWIDTHS if re.search(row.pattern, upper)), None)
 
 
 def bf16_dense_peak(gpu_name: Optional[str]) -> Optional[GpuPeak]:

@@ -3,6 +3,9 @@ breakdown per replica, a verdict with the changes that help most and their predi
 and what NVLink buys.
 
 - `trace`: reading the profiler's `.xplane.pb` (GPU activity by kind, copies by the trace's own kind and memory);
+- `work_kinds` and `hlo_cost`: each kernel's kind of work (matmul, normalisation, ...) and what its HLO instruction
+  reads, writes and computes;
+- `bounds`: each kind of work against the time its bytes and FLOPs take at the GPU's bandwidth and peak;
 - `breakdown`: compute, exposed/hidden all-reduce, input copies, idle, per-call gap (ms per step);
 - `verdict`: host-, input-, link- or compute-bound, and the advice with its predicted gain;
 - `predictions`: scaling on 2/4/8 GPUs and the step without NVLink (from `tf_nvlink.tools.costmodel`);

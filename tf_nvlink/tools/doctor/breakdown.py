@@ -14,6 +14,8 @@ kernels, the copies inside them left out: everything the GPU waits for between o
 (the batch fetched, the program launched), where `per_call_gap` is only its longest idle stretch. `work_ms`: per kind
 of work (`work_kinds.WORK_KINDS`: matmul, attention, normalisation, ...) the union of its events' intervals; the
 compute kinds add up to `compute` where one stream runs the kernels, and copies and all-reduces overlap them.
+`work_cost`: per kind of compute work, what its kernels' HLO instructions read and write and compute per step
+(`cost_per_step`).
 
 Example:
     >>> b = replica_breakdown(activity, step_ms=33.6, steps=10, calls=10)
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from tf_nvlink.tools.doctor.trace import GpuActivity
+from tf_nvlink.tools.doctor.trace import GpuActivity, WorkCost
 
 PS_PER_MS = 1e9
 
@@ -98,11 +100,14 @@ class ReplicaBreakdown:
     h2d_pageable_ms: float = 0.0
     h2d_pinned_ms: float = 0.0
     work_ms: dict = dataclasses.field(default_factory=dict)
+    work_cost: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["top_kernels"] = [list(k) for k in self.top_kernels]
         out["work_ms"] = {kind: round(ms, 4) for kind, ms in self.work_ms.items()}
+        out["work_cost"] = {kind: {key: round(value, 4) for key, value in cost.items()}
+                            for kind, cost in self.work_cost.items()}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -142,7 +147,24 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
         boundary_idle_ms=boundary_idle_ms, peer_copy_ms=length(kinds.get("p2p", [])) * per_step,
         h2d_pageable_ms=_memory_ps(activity, "pageable") * per_step,
         h2d_pinned_ms=_memory_ps(activity, "pinned") * per_step,
-        work_ms={kind: length(merge(ivs)) * per_step for kind, ivs in activity.work.items()})
+        work_ms={kind: length(merge(ivs)) * per_step for kind, ivs in activity.work.items()},
+        work_cost={kind: cost_per_step(cost, steps) for kind, cost in activity.work_cost.items()})
+
+
+def cost_per_step(cost: WorkCost, steps: int) -> dict:
+    """A kind's WorkCost over the window as the report gives it per step: "bytes", "flops", "dot_flops",
+    "float32_dot_flops", "executions", and the ms of its kernels with no instruction known
+    ("ms_without_instruction") and of its fused-attention kernels ("fused_attention_ms").
+
+    Example:
+        >>> per_step = cost_per_step(WorkCost(bytes=2_000_000, flops=1e9, unattributed_ps=10**9), steps=10)
+        >>> per_step["bytes"], per_step["flops"], per_step["ms_without_instruction"]
+        (200000.0, 100000000.0, 0.1)
+    """
+    return {"bytes": cost.bytes / steps, "flops": cost.flops / steps, "dot_flops": cost.dot_flops / steps,
+            "float32_dot_flops": cost.float32_dot_flops / steps, "executions": cost.executions / steps,
+            "ms_without_instruction": cost.unattributed_ps / steps / PS_PER_MS,
+            "fused_attention_ms": cost.fused_attention_ps / steps / PS_PER_MS}
 
 
 def _memory_ps(activity: GpuActivity, memory: str) -> int:
@@ -156,8 +178,13 @@ def mean_breakdown(replicas: Sequence[ReplicaBreakdown]) -> ReplicaBreakdown:
     if not replicas:
         raise ValueError("mean_breakdown needs at least one replica")
     numeric = [f.name for f in dataclasses.fields(ReplicaBreakdown)
-               if f.name not in ("plane", "top_kernels", "work_ms")]
+               if f.name not in ("plane", "top_kernels", "work_ms", "work_cost")]
     means = {name: sum(getattr(r, name) for r in replicas) / len(replicas) for name in numeric}
     kinds = dict.fromkeys(kind for r in replicas for kind in r.work_ms)
     work = {kind: sum(r.work_ms.get(kind, 0.0) for r in replicas) / len(replicas) for kind in kinds}
-    return ReplicaBreakdown(plane="mean", top_kernels=replicas[0].top_kernels, work_ms=work, **means)
+    costs = {}
+    for kind in dict.fromkeys(kind for r in replicas for kind in r.work_cost):
+        keys = dict.fromkeys(key for r in replicas for key in r.work_cost.get(kind, {}))
+        costs[kind] = {key: sum(r.work_cost.get(kind, {}).get(key, 0.0) for r in replicas) / len(replicas)
+                       for key in keys}
+    return ReplicaBreakdown(plane="mean", top_kernels=replicas[0].top_kernels, work_ms=work, work_cost=costs, **means)

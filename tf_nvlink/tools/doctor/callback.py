@@ -133,9 +133,10 @@ def _dtype_bytes(dtype) -> int:
 class StepDoctor(keras.callbacks.Callback):
     """Profiles `window_steps` training steps after `warmup_steps`, and reports per replica where the step
     time goes (compute, exposed and hidden all-reduce, input copies, GPU idle, each fit call's fixed cost; the
-    kernels' time by kind of work: matmul, attention, normalisation, elementwise, optimizer, loss, ...),
-    the NVLink bytes per step, a verdict (host-, input-, link- or compute-bound) with the one or two changes
-    predicted to help most, scaling on 2/4/8 GPUs and what NVLink buys.
+    kernels' time by kind of work: matmul, attention, normalisation, elementwise, optimizer, loss, ..., each against
+    the time its bytes and FLOPs take at the GPU's memory bandwidth and peak), the NVLink bytes per step, a verdict
+    (host-, input-, link- or compute-bound) with the one or two changes predicted to help most and the kinds of work
+    furthest from their bound, scaling on 2/4/8 GPUs and what NVLink buys.
 
     Args:
         warmup_steps: training steps before the window (over all fits; compile and warm-up come first).

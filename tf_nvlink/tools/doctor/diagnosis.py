@@ -13,6 +13,7 @@ from typing import Optional
 
 from tf_nvlink.plan import gpu_peaks
 from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
+from tf_nvlink.tools.doctor.bounds import kind_bounds
 from tf_nvlink.tools.doctor.breakdown import mean_breakdown, replica_breakdown
 from tf_nvlink.tools.doctor.predictions import nvlink_answer, scaling
 from tf_nvlink.tools.doctor.trace import TraceError, find_trace, gpu_activity, host_plane_names, load_space
@@ -94,9 +95,9 @@ def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepC
                    nvlink_bytes_per_step: Optional[float] = None,
                    replica_overhead_ms: float = REPLICA_OVERHEAD_HOST_FED_MS,
                    model_flops_per_step: Optional[float] = None) -> tuple[dict, Optional[str]]:
-    """(report, None), or ({"unavailable": why}, why) when the XSpace has no GPU activity. With the model's FLOPs per
-    step (over all replicas), the report's "mfu" (`model_utilisation`) against the peak of the GPU the trace
-    names."""
+    """(report, None), or ({"unavailable": why}, why) when the XSpace has no GPU activity. The report's
+    "work_bounds": each kind of work against its bound on the GPU the trace names (`bounds.kind_bounds`). With the
+    model's FLOPs per step (over all replicas), the report's "mfu" (`model_utilisation`) against that GPU's peak."""
     activity = gpu_activity(space)
     if not activity:
         why = (f"the trace has no GPU activity (planes: {', '.join(host_plane_names(space)) or 'none'}): the "
@@ -104,16 +105,31 @@ def diagnose_space(space, step_ms: float, steps: int, calls: int, context: StepC
         return {"unavailable": why, "context": context_dict(context)}, why
     replicas = [replica_breakdown(a, step_ms=step_ms, steps=steps, calls=calls) for a in activity.values()]
     mean = mean_breakdown(replicas)
-    verdict = diagnose(mean, context)
+    first = next(iter(activity.values()))
+    bounds = kind_bounds(mean.work_ms, mean.work_cost, first.device_name, first.memory_bandwidth)
+    verdict = diagnose(mean, context, bounds)
     measured_bytes = nvlink_bytes_per_step if isinstance(nvlink_bytes_per_step, (int, float)) else None
     report = {"replicas": [r.to_dict() for r in replicas], "mean": mean.to_dict(), "verdict": verdict.to_dict(),
               "scaling": scaling(mean, context, replica_overhead_ms=replica_overhead_ms),
               "nvlink": nvlink_answer(mean, context, measured_bytes), "context": context_dict(context),
-              "input_copy": input_copy(mean.to_dict(), context)}
+              "input_copy": input_copy(mean.to_dict(), context), "work_bounds": rounded(bounds)}
     if model_flops_per_step:
-        gpu_name = next(iter(activity.values())).device_name
-        report["mfu"] = model_utilisation(model_flops_per_step, report["mean"], gpu_name, context.replicas)
+        report["mfu"] = model_utilisation(model_flops_per_step, report["mean"], first.device_name, context.replicas)
     return report, None
+
+
+def rounded(value):
+    """`value` (dicts and lists of numbers) with every float rounded to 4 decimals, for the JSON.
+
+    Example:
+        >>> rounded({"ms": 6.141592, "kinds": [0.123456]})
+        {'ms': 6.1416, 'kinds': [0.1235]}
+    """
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(item) for item in value]
+    return round(value, 4) if isinstance(value, float) else value
 
 
 def diagnose_trace(profile_dir: str, step_ms: float, steps: int, calls: int, context: StepContext,

@@ -2,10 +2,11 @@
 summaries (scalars, the table as text, the chart as an image).
 
 A report is a plain dict (`StepDoctor.report`): "replicas" (one breakdown dict per GPU plane, with "work_ms": the
-kernels' ms per step by kind of work), "mean", "verdict", "nvlink", "scaling", "context", "input_copy", "trace",
-"nvlink_bytes_per_step", "fit_call", "window", "doctor_hooks_s", "optimizer_states" (the strategy's mode and the
-optimizer's memory rows) and, given the model's FLOPs, "mfu"; without a breakdown, "unavailable" (why) instead of the
-first five.
+kernels' ms per step by kind of work, and "work_cost": their bytes and FLOPs per step), "mean", "verdict" (with
+"far_from_bound"), "nvlink", "scaling", "context", "input_copy", "work_bounds" (each kind of work against its bound:
+`bounds.kind_bounds`), "trace", "nvlink_bytes_per_step", "fit_call", "window", "doctor_hooks_s", "optimizer_states"
+(the strategy's mode and the optimizer's memory rows) and, given the model's FLOPs, "mfu"; without a breakdown,
+"unavailable" (why) instead of the first five.
 
 Example:
     >>> print(render_table(doctor.report))
@@ -23,6 +24,7 @@ from tf_nvlink.plan import gpu_peaks, optimizer_sharding
 from tf_nvlink.tools.doctor.work_kinds import WORK_KINDS
 from tf_nvlink.util import atomic_files
 from tf_nvlink.util.atomic_files import write_atomic
+from tf_nvlink.util.text_table import table
 
 # The step's parts, in the order the table and the chart show them (key in a breakdown dict, label).
 PARTS = (("compute_ms", "compute"), ("exposed_collective_ms", "all-reduce exposed"),
@@ -45,6 +47,7 @@ def render_table(report: dict) -> str:
         for kind in kinds:
             lines.append(f"  {kind:<22}" + "".join(f"{(r.get('work_ms') or {}).get(kind, 0.0):>10.2f}"
                                                    for r in replicas))
+    lines += bound_lines(report.get("work_bounds"))
     if report.get("mfu"):
         lines.append(mfu_line(report["mfu"]))
     copy = report.get("input_copy")
@@ -57,6 +60,7 @@ def render_table(report: dict) -> str:
     for advice in verdict["advice"]:
         lines.append(f"  try {advice['change']}: predicted {advice['predicted_step_ms']:.2f} ms/step "
                      f"(+{advice['gain']:.0%}); {advice['why']}")
+    lines += far_from_bound_lines(verdict.get("far_from_bound") or [])
     fit_call = report.get("fit_call") or {}
     if fit_call:
         lines.append(f"fixed cost of the fit call: {fit_call['fixed_ms']:.1f} ms ({fit_call['measured']})")
@@ -74,6 +78,61 @@ def render_table(report: dict) -> str:
     if states:
         lines.append(optimizer_states_line(states))
     return "\n".join(lines)
+
+
+def _number(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def bound_lines(bounds: Optional[dict]) -> list[str]:
+    """The report's "work_bounds" as a table: per kind of compute work its ms, GB and TFLOP per step, HLO ops per
+    step (instruction executions), its bound (ms) and what sets it, measured / bound and the ms above it; then why
+    a kind has no bound.
+
+    Example:
+        >>> print("\\n".join(bound_lines(report["work_bounds"])))
+        kinds of work against their bound (ms per step; H200 SXM: memory 4.8 TB/s, bf16 dense 989.4 TFLOP/s)
+        # kind             ms      GB  TFLOP  HLO ops  bound ms  bound by  x bound  above
+          matmul         8.35  16.909  2.933    161.0      3.52  memory       2.37   4.82
+    """
+    kinds = (bounds or {}).get("kinds") or {}
+    if not kinds:
+        return []
+    memory, peak = bounds.get("memory"), bounds.get("peak")
+    against = ", ".join(part for part in (
+        f"memory {memory['tb_per_s']:g} TB/s" if memory else "no memory bandwidth",
+        f"bf16 dense {peak['tflops']:g} TFLOP/s" if peak else "no bf16 peak") if part)
+    label = (memory or {}).get("label") or (peak or {}).get("label") or bounds.get("gpu") or "unknown GPU"
+    rows = [["kind", "ms", "GB", "TFLOP", "HLO ops", "bound ms", "bound by", "x bound", "above"]]
+    for kind, row in kinds.items():
+        rows.append([kind, f"{row['ms']:.2f}", f"{row['gb']:.3f}", f"{row['tflop']:.3f}", f"{row['hlo_ops']:.1f}",
+                     _number(row["bound_ms"], 2), row["bound_by"] or "-", _number(row["x_bound"], 2),
+                     _number(row["above_bound_ms"], 2)])
+    lines = [f"kinds of work against their bound (ms per step; {label}: {against})"]
+    lines += table(rows, right={1, 2, 3, 4, 5, 7, 8}, header_rows=1)
+    lines += [f"  {kind}: no bound: {row['why']}" for kind, row in kinds.items() if row.get("why")]
+    return lines
+
+
+def far_from_bound_lines(entries: list) -> list[str]:
+    """The verdict's kinds furthest from their bound, one line each with what could be done.
+
+    Example:
+        >>> far_from_bound_lines([{"kind": "normalisation", "ms": 6.14, "bound_ms": 0.6, "bound_by": "memory",
+        ...                        "x_bound": 10.2, "above_bound_ms": 5.54, "gb": 2.0, "tflop": 0.001,
+        ...                        "hlo_ops": 98.0, "could": None}])[1][:80]
+        '    normalisation: 6.14 ms, 10.2x its bound of 0.60 ms (memory: 2.00 GB in 98 HLO'
+    """
+    if not entries:
+        return []
+    lines = ["  furthest from their bound (ms per step above it):"]
+    for entry in entries:
+        could = f"could: {entry['could']}" if entry.get("could") else "no change the doctor knows of"
+        lines.append(f"    {entry['kind']}: {entry['ms']:.2f} ms, {entry['x_bound']:.1f}x its bound of "
+                     f"{entry['bound_ms']:.2f} ms ({entry['bound_by']}: {entry['gb']:.2f} GB in "
+                     f"{entry['hlo_ops']:.0f} HLO ops, {entry['tflop']:.3f} TFLOP), {entry['above_bound_ms']:.2f} ms "
+                     f"above it; {could}")
+    return lines
 
 
 def mfu_line(entry: dict) -> str:
@@ -159,8 +218,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_tensorboard(report: dict, log_dir: str, step: int, chart: Optional[str] = None) -> str:
-    """Under <log_dir>/step_doctor: the mean breakdown (its parts, the ms of each kind of work and, given the model's
-    FLOPs, the MFU) and the advice's predicted gains as scalars, the table and
+    """Under <log_dir>/step_doctor: the mean breakdown (its parts, the ms of each kind of work, each kind's bound and
+    measured / bound and, given the model's FLOPs, the MFU) and the advice's predicted gains as scalars, the table and
     verdict as text (`step_doctor/verdict`; without a breakdown, why) and the chart PNG, when given, as an image
     (`step_doctor/chart`)."""
     import tensorflow as tf  # noqa: PLC0415
@@ -173,6 +232,10 @@ def write_tensorboard(report: dict, log_dir: str, step: int, chart: Optional[str
                 tf.summary.scalar(f"step_doctor/{key}", report["mean"][key])
             for kind, ms in (report["mean"].get("work_ms") or {}).items():
                 tf.summary.scalar(f"step_doctor/work_{kind}_ms", ms)
+            for kind, row in ((report.get("work_bounds") or {}).get("kinds") or {}).items():
+                if row.get("bound_ms") is not None:
+                    tf.summary.scalar(f"step_doctor/work_{kind}_bound_ms", row["bound_ms"])
+                    tf.summary.scalar(f"step_doctor/work_{kind}_x_bound", row["x_bound"])
             if (report.get("mfu") or {}).get("mfu") is not None:
                 tf.summary.scalar("step_doctor/mfu", report["mfu"]["mfu"])
             for index, advice in enumerate(report["verdict"]["advice"]):

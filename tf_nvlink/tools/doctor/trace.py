@@ -11,7 +11,10 @@ A copy is classified by what the trace says of it: CUPTI names each copy event b
 `device`, `managed`, ...) and the bytes. Peer-to-peer copies (`MemcpyP2P`, what `reduce_to_one` and `hierarchical`
 all-reduces are made of) are communication, kind "p2p". Kernels and events without the stat keep the name rules.
 Beside these kinds, each event gets its kind of work (matmul, attention, normalisation, ...: `work_kinds`, from
-the kernel's name, its HLO instruction and its TensorFlow op's name scope).
+the kernel's name, its HLO instruction and its TensorFlow op's name scope), and each kind the bytes and FLOPs of its
+kernels' instructions (`hlo_cost`), counted once per execution of an instruction: the kernels one instruction
+launches one after the other on a stream (a cuDNN convolution's padding kernel and the convolution, a split gemm and
+its reduction) are one execution, copies and memsets between them aside.
 
 Example:
     >>> activity = read_gpu_activity(find_trace("/tmp/doctor/profile"))
@@ -117,13 +120,31 @@ class CopyTotal:
 
 
 @dataclasses.dataclass
+class WorkCost:
+    """What one kind of work's kernels cost over the window, from their HLO instructions (`hlo_cost`): bytes read
+    and written, FLOPs and the part of them done by dots, convolutions and fused attention (`dot_flops`; on float32
+    or float64 operands: `float32_dot_flops`), the instruction executions counted, and the summed time (ps) of its
+    kernels with no instruction known (`unattributed_ps`) and of its fused-attention kernels
+    (`fused_attention_ps`)."""
+
+    bytes: int = 0
+    flops: float = 0.0
+    dot_flops: float = 0.0
+    float32_dot_flops: float = 0.0
+    executions: int = 0
+    unattributed_ps: int = 0
+    fused_attention_ps: int = 0
+
+
+@dataclasses.dataclass
 class GpuActivity:
     """What one GPU plane of a trace holds: per kind, the (start_ps, end_ps) of every event, and the summed
     duration of each event name (for the busiest kernels). `h2d_memory`: the host-to-device copies by the host
     memory their memcpy_details names ("pageable", "pinned", "managed", ..., "unknown" without the stat);
     `copy_bytes`: the bytes the stat gives per copy kind; `work`: per kind of work (`work_kinds.WORK_KINDS`) the
-    (start_ps, end_ps) of its events; `device_name`: the GPU's name as the plane's `gpu_device_name` stat gives it
-    ("NVIDIA H200"; "" without it)."""
+    (start_ps, end_ps) of its events, and `work_cost` its HLO cost (`WorkCost`); `device_name`: the GPU's name as
+    the plane's `gpu_device_name` stat gives it ("NVIDIA H200"; "" without it); `memory_bandwidth`: the plane's
+    `memory_bandwidth` stat, bytes/s (the device's memory clock x bus width as CUDA reports them; 0 without it)."""
 
     plane: str
     intervals: dict[str, list[tuple[int, int]]]
@@ -132,6 +153,8 @@ class GpuActivity:
     copy_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     work: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     device_name: str = ""
+    work_cost: dict[str, WorkCost] = dataclasses.field(default_factory=dict)
+    memory_bandwidth: float = 0.0
 
     @property
     def events(self) -> int:
@@ -200,6 +223,7 @@ def gpu_activity(space) -> dict[str, GpuActivity]:
         time_by_name: dict[str, int] = {}
         h2d_memory: dict[str, CopyTotal] = {}
         copy_bytes: dict[str, int] = {}
+        work_cost: dict[str, WorkCost] = {}
         for line in plane.lines:
             if not line.name.startswith("Stream"):
                 continue  # "XLA Ops", "XLA Modules", "Launch Stats": annotations over the same kernels
@@ -225,14 +249,36 @@ def gpu_activity(space) -> dict[str, GpuActivity]:
                         total.bytes += size
                         total.duration_ps += event.duration_ps
                         total.intervals.append(interval)
-            for event, work_kind in zip(events, work_kinds.classify_stream(index, kernels)):
+            previous = None
+            for event, kernel, (work_kind, op) in zip(events, kernels,
+                                                      work_kinds.resolve_stream(index, kernels)):
                 start = base_ps + event.offset_ps
                 work[work_kind].append((start, start + event.duration_ps))
+                if kernel.trace_kind == "compute":
+                    _add_cost(work_cost.setdefault(work_kind, WorkCost()), kernel, op, previous, event.duration_ps)
+                    previous = op
         activity = GpuActivity(plane.name, intervals, time_by_name, h2d_memory, copy_bytes, work,
-                               str(_plane_stat(plane, "gpu_device_name") or ""))
+                               str(_plane_stat(plane, "gpu_device_name") or ""), work_cost,
+                               float(_plane_stat(plane, "memory_bandwidth") or 0))
         if activity.events:
             found[plane.name] = activity
     return dict(sorted(found.items(), key=lambda item: _plane_number(item[0])))
+
+
+def _add_cost(total: WorkCost, kernel, op, previous, duration_ps: int) -> None:
+    """Adds one compute kernel to its kind's WorkCost: its instruction's cost once per execution (the kernels an
+    instruction launches one after the other, a cuDNN convolution's padding kernels and the convolution, count
+    once), or its time to the unattributed time without an instruction."""
+    if work_kinds.is_fused_attention(kernel.name, op):
+        total.fused_attention_ps += duration_ps
+    if op is None:
+        total.unattributed_ps += duration_ps
+    elif op is not previous:
+        total.bytes += op.cost.bytes
+        total.flops += op.cost.flops
+        total.dot_flops += op.cost.dot_flops
+        total.float32_dot_flops += op.cost.float32_dot_flops
+        total.executions += 1
 
 
 def _stat_text(plane, event, stat_ids) -> Optional[str]:

@@ -19,6 +19,10 @@ help most, each with its predicted gain.
   XLA's latency-hiding scheduler can hide at most the exposed time.
 - compute-bound: the kernels fill the step; the trace predicts no gain from the changes above.
 
+Whatever the verdict, it names the kinds of work furthest from their bound (`bounds.far_from_bound`: the time above
+the bound set by their bytes at the GPU's memory bandwidth and their FLOPs at its peak) and what could be done about
+each; those come without a predicted gain.
+
 Example:
     >>> context = StepContext(replicas=1, steps_per_execution=1, gradient_bytes=102_236_160,
     ...                       gradient_tensors=161, per_replica_batch=128)
@@ -33,6 +37,7 @@ import dataclasses
 from typing import Optional
 
 from tf_nvlink.tools.costmodel import model as costmodel
+from tf_nvlink.tools.doctor import bounds as work_bounds
 from tf_nvlink.tools.doctor.breakdown import ReplicaBreakdown
 
 VERDICTS = ("host-bound", "input-bound", "link-bound", "compute-bound")
@@ -102,16 +107,20 @@ class Advice:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """The bottleneck (`kind`, one of VERDICTS), each candidate cost as a fraction of the step, and the one or
-    two changes predicted to help most, best first."""
+    """The bottleneck (`kind`, one of VERDICTS), each candidate cost as a fraction of the step, the one or two
+    changes predicted to help most, best first, and the kinds of work furthest from their bound
+    (`bounds.far_from_bound`)."""
 
     kind: str
     fractions: dict
     advice: tuple[Advice, ...]
+    far_from_bound: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "fractions": {k: round(v, 4) for k, v in self.fractions.items()},
-                "advice": [a.to_dict() for a in self.advice]}
+                "advice": [a.to_dict() for a in self.advice],
+                "far_from_bound": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items()}
+                                   for entry in self.far_from_bound]}
 
 
 def _advice(change: str, why: str, saved_ms: float, step_ms: float) -> Advice:
@@ -193,8 +202,9 @@ def allreduce_advice(b: ReplicaBreakdown, context: StepContext) -> list[Advice]:
     return found
 
 
-def diagnose(b: ReplicaBreakdown, context: StepContext) -> Verdict:
-    """The verdict and the (at most two) changes with the largest predicted gain, for the verdict's cost first."""
+def diagnose(b: ReplicaBreakdown, context: StepContext, bounds: Optional[dict] = None) -> Verdict:
+    """The verdict and the (at most two) changes with the largest predicted gain, for the verdict's cost first; with
+    the kinds' bounds (`bounds.kind_bounds`), the kinds of work furthest from them."""
     fractions = {"host-bound": b.idle_ms / b.step_ms, "input-bound": b.exposed_h2d_ms / b.step_ms,
                  "link-bound": b.exposed_collective_ms / b.step_ms}
     kind = max(fractions, key=fractions.get)
@@ -208,4 +218,5 @@ def diagnose(b: ReplicaBreakdown, context: StepContext) -> Verdict:
     rest = sorted((a for k, options in by_cost.items() if k != kind for a in options if a is not None),
                   key=lambda a: -a.gain)
     advice = (first + rest)[:2]
-    return Verdict(kind, fractions, tuple(a for a in advice if a.saved_ms > 0))
+    far = work_bounds.far_from_bound(bounds, b.work_cost, b.step_ms, context.replicas)
+    return Verdict(kind, fractions, tuple(a for a in advice if a.saved_ms > 0), tuple(far))

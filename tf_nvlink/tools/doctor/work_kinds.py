@@ -14,7 +14,9 @@ What the trace carries:
   `model/block3_attention_1/softmax_1/Softmax`); a kernel XLA runs inside a CUDA graph (a command buffer) has
   `hlo_op` "command_buffer" and no `name`;
 - the `/host:metadata` plane holds each program's optimized HLO (`tf_runtime.hlo_protobuf_module`): every
-  instruction's `metadata.op_name`, what a fusion fused, a custom call's target, and each computation's schedule.
+  instruction's `metadata.op_name`, what a fusion fused, a custom call's target, each computation's schedule, and
+  the shapes `hlo_cost` reads an instruction's bytes and FLOPs from (`HloOp.cost`; `resolve_stream` gives each
+  kernel the instruction whose cost it carries).
 
 A kernel's HLO instruction: its `hlo_op` stat; else, for an XLA kernel, the instruction whose name it is ("." and
 "-" written "_"); else, for a library kernel inside a command buffer, its place: the custom calls the schedule runs
@@ -59,6 +61,8 @@ import functools
 import re
 from typing import Iterable, Optional, Sequence
 
+from tf_nvlink.tools.doctor import hlo_cost
+
 WORK_KINDS = ("matmul", "attention", "normalisation", "elementwise", "optimizer", "loss", "collective", "copy",
               "other")
 # Keras' names of its optimizers (their name scope in the step)
@@ -79,14 +83,16 @@ _NOT_AN_OP = ("", "XLA_Args", "XLA_Retvals")
 @dataclasses.dataclass(frozen=True)
 class HloOp:
     """One instruction of a program's HLO as the rules read it: its name, opcode, custom-call target, op names (its
-    own first, then those of the instructions fused into it) and whether it is a matmul (a dot, a convolution, a
-    cuBLAS or cuDNN-convolution call, or a fusion holding a dot or convolution)."""
+    own first, then those of the instructions fused into it), whether it is a matmul (a dot, a convolution, a
+    cuBLAS or cuDNN-convolution call, or a fusion holding a dot or convolution) and what one execution costs
+    (`hlo_cost.Cost`: bytes read and written, FLOPs)."""
 
     name: str
     opcode: str
     target: str
     op_names: tuple[str, ...]
     matmul: bool
+    cost: hlo_cost.Cost = hlo_cost.Cost()
 
 
 @dataclasses.dataclass
@@ -124,6 +130,17 @@ def _attention_core(parts: Sequence[str]) -> bool:
     return bool(inside) and not any(part in ATTENTION_PROJECTIONS for part in parts[inside[-1] + 1:])
 
 
+def is_fused_attention(kernel_name: str, op: Optional[HloOp] = None) -> bool:
+    """Whether a kernel is fused attention: by its name (fmha, flash, sdpa, fused_mha, attention) or its instruction
+    (cuDNN's fMHA custom calls).
+
+    Example:
+        >>> is_fused_attention("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64")
+        True
+    """
+    return bool(_FUSED_ATTENTION.search(kernel_name.lower())) or (op is not None and "fmha" in op.target.lower())
+
+
 @functools.lru_cache(maxsize=1 << 16)  # a step repeats its kernels: each (name, instruction, op name) once
 def kind_of(kernel_name: str, op: Optional[HloOp], tf_op_name: Optional[str] = None,
             trace_kind: str = "compute") -> str:
@@ -139,7 +156,7 @@ def kind_of(kernel_name: str, op: Optional[HloOp], tf_op_name: Optional[str] = N
     if trace_kind in ("h2d", "d2h", "d2d"):
         return "copy"
     low = kernel_name.lower()
-    if _FUSED_ATTENTION.search(low) or (op is not None and "fmha" in op.target.lower()):
+    if is_fused_attention(kernel_name, op):
         return "attention"
     names = op.op_names if op is not None and op.op_names else ((tf_op_name,) if tf_op_name else ())
     parts = [scope_parts(name) for name in names]
@@ -167,6 +184,7 @@ def _is_matmul(instruction, fused_opcodes: Iterable[str]) -> bool:
 def hlo_module(proto) -> HloModule:
     """The HloModule of an `HloProto` (`tf_runtime.hlo_protobuf_module().HloProto`)."""
     module = proto.hlo_module
+    costs = hlo_cost.ModuleCosts(module)
     computations = {c.id: c for c in module.computations}
     fused = {cid for c in module.computations for i in c.instructions if i.opcode == "fusion"
              for cid in i.called_computation_ids}
@@ -194,7 +212,7 @@ def hlo_module(proto) -> HloModule:
                 if instruction.opcode == "fusion" else ([], [])
             names = tuple(dict.fromkeys(n for n in [instruction.metadata.op_name, *fused_names] if n not in _NOT_AN_OP))
             op = HloOp(instruction.name, instruction.opcode, instruction.custom_call_target, names,
-                       _is_matmul(instruction, fused_opcodes))
+                       _is_matmul(instruction, fused_opcodes), costs.cost(instruction))
             ops[op.name] = by_id[instruction.id] = op
             by_kernel.setdefault(kernel_name_of(op.name), op)
     calls_after: dict[str, tuple[HloOp, ...]] = {}
@@ -268,12 +286,24 @@ def classify_stream(index: HloIndex, events: Sequence[KernelEvent]) -> list[str]
         >>> classify_stream(HloIndex(), [KernelEvent("loop_add_fusion", "compute"), KernelEvent("MemcpyH2D", "h2d")])
         ['elementwise', 'copy']
     """
-    kinds = []
+    return [kind for kind, _ in resolve_stream(index, events)]
+
+
+def resolve_stream(index: HloIndex, events: Sequence[KernelEvent]) -> list[tuple[str, Optional[HloOp]]]:
+    """(work kind, HLO instruction or None) of each event of one stream, `events` in the order they ran: the
+    instruction whose cost the event's execution carries (for a library kernel in a command buffer, the custom call
+    its place gives it).
+
+    Example:
+        >>> resolve_stream(HloIndex(), [KernelEvent("loop_add_fusion", "compute")])
+        [('elementwise', None)]
+    """
+    resolved = []
     calls: tuple[HloOp, ...] = ()
     taken = -1
     for event in events:
         if event.trace_kind != "compute":
-            kinds.append(kind_of(event.name, None, None, event.trace_kind))
+            resolved.append((kind_of(event.name, None, None, event.trace_kind), None))
             continue
         module = index.module(event.program_id, event.module_name)
         op = None
@@ -283,12 +313,13 @@ def classify_stream(index: HloIndex, events: Sequence[KernelEvent]) -> list[str]
             else:
                 op = module.by_kernel.get(event.name)
         low = event.name.lower()
+        kind_op = op
         if op is not None:
             calls, taken = module.calls_after.get(op.name, ()), -1
         elif calls and not _XLA_KERNEL.search(low):
             if taken < 0 or not _AUXILIARY.search(low):
                 taken += 1
-            kinds_of_calls = {kind_of(event.name, call) for call in calls}
-            op = calls[0] if len(kinds_of_calls) == 1 else calls[min(taken, len(calls) - 1)]
-        kinds.append(kind_of(event.name, op, event.tf_op_name))
-    return kinds
+            op = calls[min(taken, len(calls) - 1)]
+            kind_op = calls[0] if len({kind_of(event.name, call) for call in calls}) == 1 else op
+        resolved.append((kind_of(event.name, kind_op, event.tf_op_name), op))
+    return resolved
