@@ -40,7 +40,7 @@ def test_keras_attention_is_looked_up_on_the_tensorflow_backend_at_each_call():
     assert "self._dropout > 0.0" in compute  # dropout keeps MultiHeadAttention on its own path
     if keras_version() >= (3, 15):  # use_causal_mask=True reaches the kernel as is_causal=True
         assert "is_causal=True" in compute
-    else:  # Keras 3.12 to 3.14 pass the causal mask as a tensor: the rule leaves that to Keras' attention
+    else:  # Keras 3.12 to 3.14 pass the causal mask as a tensor, made by _compute_attention_mask (pinned below)
         assert "is_causal=False" in compute and "is_causal=True" not in compute
 
 
@@ -50,3 +50,53 @@ def test_the_custom_call_op_takes_several_results_of_known_shapes():
     parameters = inspect.signature(gen_xla_ops.xla_custom_call_v2).parameters
     assert list(parameters)[:6] == ["operands", "call_target_name", "backend_config", "has_side_effect",
                                     "result_dtypes", "result_shapes"]
+
+
+def test_the_layers_make_their_attention_mask_from_their_inputs_keras_masks():
+    """`MultiHeadAttention` and `GroupedQueryAttention` build the mask they pass to `dot_product_attention` in
+    `_compute_attention_mask(query, value, query_mask, value_mask, key_mask, attention_mask, use_causal_mask)` (the
+    mask seam reads those arguments), from the Keras masks `call` reads off its inputs; GroupedQueryAttention repeats
+    key and value heads with `ops.repeat` along axis 2 before the call."""
+    from keras.src.layers.attention import grouped_query_attention, multi_head_attention
+
+    for layer_class in (multi_head_attention.MultiHeadAttention, grouped_query_attention.GroupedQueryAttention):
+        method = _original(layer_class, "_compute_attention_mask")
+        assert list(inspect.signature(method).parameters) == [
+            "self", "query", "value", "query_mask", "value_mask", "key_mask", "attention_mask", "use_causal_mask"]
+        call = inspect.getsource(layer_class.call)
+        assert "self._compute_attention_mask(" in call and "query_mask=query_mask" in call
+        assert "value_mask=value_mask" in call and "use_causal_mask=use_causal_mask" in call
+    gqa_call = inspect.getsource(grouped_query_attention.GroupedQueryAttention.call)
+    assert "ops.repeat(" in gqa_call and "axis=2" in gqa_call
+
+
+def test_the_mask_seam_reports_what_the_mask_was_made_of():
+    import numpy as np
+    import keras
+
+    from tf_nvlink.internals import attention
+    from tf_nvlink.internals.registry import REGISTRY
+
+    from keras.src.layers.attention import grouped_query_attention, multi_head_attention
+
+    owners = (multi_head_attention.MultiHeadAttention, grouped_query_attention.GroupedQueryAttention)
+    installed = any(REGISTRY.patched(owner, "_compute_attention_mask") for owner in owners)
+    for owner in owners:
+        REGISTRY.restore(owner, "_compute_attention_mask")
+    seen = []
+    rules = type("Rules", (), {"attention_mask_made": staticmethod(lambda mask, arguments: seen.append(arguments))})
+    attention.install_attention_mask_seam(rules)
+    try:
+        layer = keras.layers.MultiHeadAttention(2, 4)
+        x = keras.layers.Masking(0.0)(np.ones((2, 3, 8), "float32"))
+        layer(x, x, use_causal_mask=True)
+    finally:
+        for owner in owners:
+            REGISTRY.restore(owner, "_compute_attention_mask")
+        if installed:
+            from tf_nvlink.training import install
+
+            attention.install_attention_mask_seam(install.KERAS_RULES)
+    (arguments,) = seen
+    assert arguments["use_causal_mask"] is True and arguments["attention_mask"] is None
+    assert arguments["query_mask"] is not None and arguments["sliding_window"] is None
