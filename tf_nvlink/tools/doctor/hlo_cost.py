@@ -284,7 +284,7 @@ class ModuleCosts:
             flops = 4.0 * batch * heads * seq_q * seq_kv * head_dim
             if "Backward" in target:
                 flops *= 2.5
-            if config.get("mask_type") == "CAUSAL":
+            if config.get("mask_type") in ("CAUSAL", "PADDING_CAUSAL"):
                 flops *= 0.5
             return flops
         return 0.0
