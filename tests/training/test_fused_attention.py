@@ -211,7 +211,7 @@ def test_an_attention_batch_other_than_the_steps_fails_to_compile_naming_both(tf
 # train to the same weights; then, with the GPU facts and reference kernels in place of cuDNN's, the rule's whole
 # path in fits (causal MultiHeadAttention, padding from Embedding(mask_zero=True), GroupedQueryAttention, an
 # attention_mask argument).
-CPU = scenarios.Scenario("fused attention: 2 CPU replicas", r"""
+PRELUDE = r"""
 import logging, numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -251,8 +251,32 @@ def fit(setting, kind="causal"):
     model.fit(x_padded if kind.startswith("padding") or kind == "attention_mask" else x, y, batch_size=8, epochs=2,
               verbose=0, shuffle=False)
     return [w.tolist() for w in model.get_weights()]
-""", {"the default": "result = [base.fused_attention_of(strategy), strategy.fused_attention]",
-      "auto, off and Keras' own": r"""
+"""
+# XLA on CPU replicas (split mode) with the GPU facts and the cuDNN kernels replaced by reference kernels: the rule's
+# whole path in a fit (the step's batch open to the trace, the custom gradient) against Keras' attention; KINDS is
+# set before this body runs.
+FUSED_PATH = r"""
+import sys
+sys.path.insert(0, "tests/training")
+from test_fused_attention import reference_forward, reference_backward
+fused_attention._replicas_are_gpus = lambda strategy: True
+fused_attention._compute_capability = lambda: (9, 0)
+fused_attention.cudnn_forward, fused_attention.cudnn_backward = reference_forward, reference_backward
+keras.mixed_precision.set_global_policy("mixed_bfloat16")
+result = {}
+try:
+    for kind in KINDS:
+        before = fused_attention.decision_counts()
+        fused = fit("auto", kind)
+        counts = {k: v - before.get(k, 0) for k, v in fused_attention.decision_counts().items() if v - before.get(k, 0)}
+        result[kind] = {"fused": fused, "plain": fit("off", kind), "counts": counts}
+finally:
+    keras.mixed_precision.set_global_policy("float32")
+"""
+DEFAULT_KINDS, SLOW_KINDS = ("causal", "padding_causal"), ("padding", "gqa", "attention_mask")
+CPU = scenarios.Scenario("fused attention: 2 CPU replicas", PRELUDE, {
+    "the default": "result = [base.fused_attention_of(strategy), strategy.fused_attention]",
+    "auto, off and Keras' own": r"""
 auto, off = fit("auto"), fit("off")
 from tf_nvlink.internals.attention import keras_attention_module
 tensorflow_nn = keras_attention_module()
@@ -266,26 +290,9 @@ finally:
     from tf_nvlink.training import install
     attention.install_attention_seam(install.KERAS_RULES)
 """, "a bad setting": "tf_nvlink.strategy(devices=['/cpu:0', '/cpu:1'], fused_attention='on')",
-    "the fused path inside XLA": r"""
-# XLA on CPU replicas (split mode) with the GPU facts and the cuDNN kernels replaced by reference kernels: the rule's
-# whole path in a fit (the step's batch open to the trace, the custom gradient) against Keras' attention.
-import sys
-sys.path.insert(0, "tests/training")
-from test_fused_attention import reference_forward, reference_backward
-fused_attention._replicas_are_gpus = lambda strategy: True
-fused_attention._compute_capability = lambda: (9, 0)
-fused_attention.cudnn_forward, fused_attention.cudnn_backward = reference_forward, reference_backward
-keras.mixed_precision.set_global_policy("mixed_bfloat16")
-result = {}
-try:
-    for kind in ("causal", "padding", "padding_causal", "gqa", "attention_mask"):
-        before = fused_attention.decision_counts()
-        fused = fit("auto", kind)
-        counts = {k: v - before.get(k, 0) for k, v in fused_attention.decision_counts().items() if v - before.get(k, 0)}
-        result[kind] = {"fused": fused, "plain": fit("off", kind), "counts": counts}
-finally:
-    keras.mixed_precision.set_global_policy("float32")
-"""}, expected_s=40)
+    "the fused path inside XLA": f"KINDS = {DEFAULT_KINDS!r}\n" + FUSED_PATH}, expected_s=35)
+SLOW_CPU = scenarios.Scenario("fused attention: 2 CPU replicas, more masks", PRELUDE, {
+    "the fused path inside XLA": f"KINDS = {SLOW_KINDS!r}\n" + FUSED_PATH}, slow=True, expected_s=30)
 
 
 def test_fused_attention_is_the_default():
@@ -301,16 +308,18 @@ def test_cpu_replicas_keep_keras_attention_exactly_and_say_why():
 
 @pytest.mark.parametrize("kind, decision", [
     ("causal", "fused: cuDNN flash attention (causal, bfloat16, 2 heads of 8, 8 x 8 tokens)"),
-    ("padding", "fused: cuDNN flash attention (padding, bfloat16, 2 heads of 8, 8 x 8 tokens)"),
     ("padding_causal", "fused: cuDNN flash attention (padding, causal, bfloat16, 2 heads of 8, 8 x 8 tokens)"),
-    ("gqa", "fused: cuDNN flash attention (causal, bfloat16, 4 query heads on 2 of 8, 8 x 8 tokens)"),
+    pytest.param("padding", "fused: cuDNN flash attention (padding, bfloat16, 2 heads of 8, 8 x 8 tokens)",
+                 marks=pytest.mark.slow),
+    pytest.param("gqa", "fused: cuDNN flash attention (causal, bfloat16, 4 query heads on 2 of 8, 8 x 8 tokens)",
+                 marks=pytest.mark.slow),
 ])
 def test_the_fused_path_trains_as_keras_attention_inside_xla(kind, decision):
     """The rule's path through real fits: per-replica XLA programs (split mode on 2 CPU replicas, steps traced with
     their batch open), the fused branch taken (counted), reference kernels in place of cuDNN's: the weights of
     Keras' attention to bfloat16's precision, for causal MultiHeadAttention, padding from Embedding(mask_zero=True)
     (right padding, a hole, empty sequences), padding with the causal mask, and GroupedQueryAttention."""
-    out = CPU.result("the fused path inside XLA")[kind]
+    out = (CPU if kind in DEFAULT_KINDS else SLOW_CPU).result("the fused path inside XLA")[kind]
     # Keras' build of the model outside the step is the one call outside XLA
     assert set(out["counts"]) - {decision} <= {"Keras' attention: not inside an XLA program (compile the model with "
                                               "jit_compile=True)"}, out["counts"]
@@ -320,8 +329,9 @@ def test_the_fused_path_trains_as_keras_attention_inside_xla(kind, decision):
     assert out["fused"] != out["plain"]  # the fused branch ran (bfloat16 rounds differently there)
 
 
+@pytest.mark.slow
 def test_an_attention_mask_argument_keeps_keras_attention_exactly():
-    out = CPU.result("the fused path inside XLA")["attention_mask"]
+    out = SLOW_CPU.result("the fused path inside XLA")["attention_mask"]
     assert out["fused"] == out["plain"]
     assert [why for why in out["counts"] if "not inside an XLA program" not in why] == ["Keras' attention: a mask tensor other than one MultiHeadAttention or "
                                    "GroupedQueryAttention made from its inputs' Keras masks (an attention_mask "
