@@ -23,7 +23,9 @@ A kernel's HLO instruction: its `hlo_op` stat; else, for an XLA kernel, the inst
 after the instruction of the kernel before it on its stream and before the next fusion (the k-th library kernel
 after that kernel takes the k-th call; where the calls are all of one kind, that kind). Its op names: the
 instruction's op_name and those of the instructions fused into it (XLA gives a fusion the op_name of one root, at
-times only "XLA_Retvals"); without the HLO, the `name` stat.
+times only "XLA_Retvals"), its constants' aside: XLA's common-subexpression pass keeps one op name for equal
+constants across the program, so a GELU's constant 1 may carry an optimizer's op name; without the HLO, the `name`
+stat.
 
 The rules, the first that matches wins (the name scope's parts are read without Keras' "_1" suffixes):
 1. collective: NCCL and all-reduce kernels, peer-to-peer copies; copy: other copies and memsets (`trace.classify`);
@@ -196,7 +198,8 @@ def hlo_module(proto) -> HloModule:
                 continue
             seen.add(cid)
             for instruction in computations[cid].instructions:
-                names.append(instruction.metadata.op_name)
+                if instruction.opcode != "constant":  # CSE keeps one op name for equal constants program-wide
+                    names.append(instruction.metadata.op_name)
                 opcodes.append(instruction.opcode)
                 deeper = inside(instruction.called_computation_ids, seen)
                 names += deeper[0]
