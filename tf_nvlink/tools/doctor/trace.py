@@ -202,7 +202,8 @@ def load_space(path: str):
 
 
 # The stats of a kernel event that name its HLO instruction and its TensorFlow op (work_kinds.KernelEvent's fields)
-_KERNEL_STATS = {"hlo_op": "hlo_op", "name": "tf_op_name", "program_id": "program_id", "hlo_module": "module_name"}
+_KERNEL_STATS = {"hlo_op": "hlo_op", "name": "tf_op_name", "program_id": "program_id", "hlo_module": "module_name",
+                 "cuda_graph_id": "graph_id", "cuda_graph_node_id": "graph_node"}
 
 
 def gpu_activity(space) -> dict[str, GpuActivity]:
@@ -306,8 +307,9 @@ def _kernel_stats(plane, event, stat_ids: dict) -> dict:
             found[field] = meta.name if meta is not None else None
         elif which is not None:
             found[field] = getattr(stat, which)
-    if found.get("program_id") is not None:
-        found["program_id"] = int(found["program_id"])
+    for field in ("program_id", "graph_id", "graph_node"):
+        if found.get(field) is not None:
+            found[field] = int(found[field])
     return found
 
 
