@@ -201,8 +201,8 @@ def test_cudnn_fused_attention_counts_its_two_products_forward_and_five_backward
     batch, tokens, heads, head_dim = 8, 512, 16, 64
     hlo = Hlo()
     query = hlo.parameter("q", ("BF16", [batch, tokens, heads, head_dim]))
-    config = json.loads(attention.backend_config(batch, heads, tokens, tokens, "bfloat16", 0.125, mask.lower().replace("no_mask", "none"),
-                                                 "Backward" in target))
+    config = json.loads(attention.backend_config(batch, heads, tokens, tokens, "bfloat16", 0.125,
+                                                 "causal" if mask == "CAUSAL" else "none", "Backward" in target))
     call = hlo.add("custom-call.2", "custom-call", [("BF16", [batch, tokens, heads, head_dim]), ("U8", [0])],
                    [query], custom_call_target=target, backend_config=config)
     cost = hlo_cost.ModuleCosts(hlo.done().hlo_module).cost(call)
