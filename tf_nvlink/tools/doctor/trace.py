@@ -189,14 +189,16 @@ def keep_trace(logdir: str, target: str) -> Optional[str]:
 
 
 def load_space(path: str):
-    """The XSpace protobuf in the file at `path`."""
+    """The XSpace protobuf in the file at `path` (gzipped where `path` ends in .gz); TraceError when it is none."""
+    from google.protobuf.message import DecodeError  # noqa: PLC0415
+
     from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - TensorFlow only when a trace is read
 
     space = tf_runtime.xplane_protobuf_module().XSpace()
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             space.ParseFromString(f.read())
-    except (OSError, ValueError) as exc:  # protobuf's DecodeError is a ValueError
+    except (OSError, ValueError, DecodeError) as exc:  # upb's DecodeError is no ValueError
         raise TraceError(f"cannot read the trace {path}: {exc}") from exc
     return space
 
