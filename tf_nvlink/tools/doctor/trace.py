@@ -124,8 +124,8 @@ class WorkCost:
     """What one kind of work's kernels cost over the window, from their HLO instructions (`hlo_cost`): bytes read
     and written, FLOPs and the part of them done by dots, convolutions and fused attention (`dot_flops`; on float32
     or float64 operands: `float32_dot_flops`), the instruction executions counted, and the summed time (ps) of its
-    kernels with no instruction known (`unattributed_ps`) and of its fused-attention kernels
-    (`fused_attention_ps`)."""
+    kernels with no instruction known (`unattributed_ps`), of its fused-attention kernels (`fused_attention_ps`) and
+    of the transposes of their results (`attention_layout_ps`, in `attention_layout_executions`)."""
 
     bytes: int = 0
     flops: float = 0.0
@@ -134,6 +134,8 @@ class WorkCost:
     executions: int = 0
     unattributed_ps: int = 0
     fused_attention_ps: int = 0
+    attention_layout_ps: int = 0
+    attention_layout_executions: int = 0
 
 
 @dataclasses.dataclass
@@ -274,6 +276,9 @@ def _add_cost(total: WorkCost, kernel, op, previous, duration_ps: int) -> None:
     once), or its time to the unattributed time without an instruction."""
     if work_kinds.is_fused_attention(kernel.name, op):
         total.fused_attention_ps += duration_ps
+    if op is not None and op.attention_layout:
+        total.attention_layout_ps += duration_ps
+        total.attention_layout_executions += op is not previous
     if op is None:
         total.unattributed_ps += duration_ps
     elif op is not previous:

@@ -31,7 +31,8 @@ stat.
 
 The rules, the first that matches wins (the name scope's parts are read without Keras' "_1" suffixes):
 1. collective: NCCL and all-reduce kernels, peer-to-peer copies; copy: other copies and memsets (`trace.classify`);
-2. attention: fused attention kernels by name (fmha, flash, sdpa, fused_mha, attention), cuDNN's fMHA custom calls;
+2. attention: fused attention kernels by name (fmha, flash, sdpa, fused_mha, attention), cuDNN's fMHA custom calls,
+   and the transposes of their results into the layers' layout (`is_attention_layout`);
 3. optimizer: an op name in an optimizer's scope (as Keras names it: sgd, adam, adam_w, lion, ...);
 4. loss: an op name in the loss's scope (compile_loss, loss, *crossentropy*);
 5. attention: an op name inside an attention layer (a scope part containing "attention") and not inside its
@@ -101,8 +102,9 @@ _NOT_AN_OP = ("", "XLA_Args", "XLA_Retvals")
 class HloOp:
     """One instruction of a program's HLO as the rules read it: its name, opcode, custom-call target, op names (its
     own first, then those of the instructions fused into it), whether it is a matmul (a dot, a convolution, a
-    cuBLAS or cuDNN-convolution call, or a fusion holding a dot or convolution) and what one execution costs
-    (`hlo_cost.Cost`: bytes read and written, FLOPs)."""
+    cuBLAS or cuDNN-convolution call, or a fusion holding a dot or convolution), what one execution costs
+    (`hlo_cost.Cost`: bytes read and written, FLOPs) and whether it only transposes or copies a result of cuDNN's
+    fused attention (`is_attention_layout`)."""
 
     name: str
     opcode: str
@@ -110,6 +112,7 @@ class HloOp:
     op_names: tuple[str, ...]
     matmul: bool
     cost: hlo_cost.Cost = hlo_cost.Cost()
+    attention_layout: bool = False
 
 
 @dataclasses.dataclass
@@ -178,7 +181,7 @@ def kind_of(kernel_name: str, op: Optional[HloOp], tf_op_name: Optional[str] = N
     if trace_kind in ("h2d", "d2h", "d2d"):
         return "copy"
     low = kernel_name.lower()
-    if is_fused_attention(kernel_name, op):
+    if is_fused_attention(kernel_name, op) or (op is not None and op.attention_layout):
         return "attention"
     names = op.op_names if op is not None and op.op_names else ((tf_op_name,) if tf_op_name else ())
     parts = [scope_parts(name) for name in names]
@@ -203,9 +206,39 @@ def _is_matmul(instruction, fused_opcodes: Iterable[str]) -> bool:
             or target.startswith("__cudnn$conv") or any(code in ("dot", "convolution") for code in fused_opcodes))
 
 
+# What a fusion that only moves a fused-attention result into another layout holds.
+_LAYOUT_OPCODES = frozenset({"parameter", "transpose", "copy", "bitcast"})
+
+
+def is_attention_layout(instruction, fused_opcodes: Sequence[str], instructions: dict) -> bool:
+    """Whether an instruction only transposes or copies a result of cuDNN's fused attention: a transpose, a copy, or
+    a fusion of nothing else, whose operand is (through get-tuple-element and bitcast) an fMHA custom call. cuDNN
+    returns O, and in the backward dQ, dK and dV, as [B, N, T, H]; the layers read [B, T, N, H], and TensorFlow's
+    XlaCustomCallV2 op, which cannot declare its results' layouts, leaves the transposes to XLA.
+
+    Example:
+        >>> is_attention_layout(wrapped_transpose, ["parameter", "transpose"], instructions_by_id)
+        True
+    """
+    if instruction.opcode == "fusion":
+        opcodes = set(fused_opcodes)
+        if not opcodes <= _LAYOUT_OPCODES or not opcodes & {"transpose", "copy"}:
+            return False
+    elif instruction.opcode not in ("transpose", "copy"):
+        return False
+    for operand_id in instruction.operand_ids:
+        source = instructions.get(operand_id)
+        while source is not None and source.opcode in ("get-tuple-element", "bitcast") and source.operand_ids:
+            source = instructions.get(source.operand_ids[0])
+        if source is not None and source.opcode == "custom-call" and "fmha" in source.custom_call_target.lower():
+            return True
+    return False
+
+
 def hlo_module(proto) -> HloModule:
     """The HloModule of an `HloProto` (`tf_runtime.hlo_protobuf_module().HloProto`)."""
     module = proto.hlo_module
+    instructions = {i.id: i for c in module.computations for i in c.instructions}
     costs = hlo_cost.ModuleCosts(module)
     computations = {c.id: c for c in module.computations}
     fused = {cid for c in module.computations for i in c.instructions if i.opcode == "fusion"
@@ -236,7 +269,8 @@ def hlo_module(proto) -> HloModule:
                 if instruction.opcode == "fusion" else ([], [])
             names = tuple(dict.fromkeys(n for n in [instruction.metadata.op_name, *fused_names] if n not in _NOT_AN_OP))
             op = HloOp(instruction.name, instruction.opcode, instruction.custom_call_target, names,
-                       _is_matmul(instruction, fused_opcodes), costs.cost(instruction))
+                       _is_matmul(instruction, fused_opcodes), costs.cost(instruction),
+                       is_attention_layout(instruction, fused_opcodes, instructions))
             ops[op.name] = by_id[instruction.id] = op
             by_kernel.setdefault(kernel_name_of(op.name), op)
     calls_after: dict[str, tuple[HloOp, ...]] = {}
