@@ -73,10 +73,12 @@ def test_a_reread_gives_the_live_reading_back_with_what_the_run_measured(tmp_pat
     assert outputs.render_table(report) == outputs.render_table(live_report)
 
 
-def test_the_trace_is_the_one_given_else_the_reports_else_beside_the_report(tmp_path, live_report):
+def test_the_trace_is_the_one_given_else_the_reports_else_beside_the_report(tmp_path, live_report, monkeypatch):
     kept = saved_run(tmp_path / "doctor_mfu" / "resnet50", live_report, trace_at="beside")  # the benchmarks' layout
     report_path = str(kept / "step_doctor.json")
     assert saved_trace_path(report_path, live_report) == (str(kept) + ".xplane.pb.gz", "beside the report")
+    monkeypatch.chdir(kept)  # a relative report path gives a relative trace path
+    assert saved_trace_path("step_doctor.json", live_report) == ("../resnet50.xplane.pb.gz", "beside the report")
     stored = dict(live_report, trace=str(fixture_trace()))
     assert saved_trace_path(report_path, stored) == (str(fixture_trace()), "the report")
     given = str(kept) + ".xplane.pb.gz"

@@ -105,15 +105,16 @@ def saved_trace_path(report_path: str, report: dict, trace: Optional[str] = None
     stored = report.get("trace")
     if isinstance(stored, str) and os.path.isfile(stored):
         return stored, "the report"
-    folder = os.path.dirname(os.path.abspath(report_path))
+    folder = os.path.dirname(report_path) or os.curdir
     found = _newest_trace(folder)
     if found:
         return found, "beside the report"
-    kept = [folder + suffix for suffix in (".xplane.pb.gz", ".xplane.pb") if os.path.isfile(folder + suffix)]
+    beside = [os.path.abspath(folder) + suffix for suffix in (".xplane.pb.gz", ".xplane.pb")]
+    kept = [path if os.path.isabs(report_path) else os.path.relpath(path) for path in beside if os.path.isfile(path)]
     if kept:
         return kept[0], "beside the report"
     looked = ([f"the report's trace {stored} (gone)"] if isinstance(stored, str) else []) + [
-        f"{folder} and below", f"{folder}.xplane.pb.gz"]
+        f"{folder} and below", f"{os.path.abspath(folder)}.xplane.pb.gz"]
     raise RereadError(f"no trace for {report_path}: looked at {'; '.join(looked)}; pass --trace PATH")
 
 
