@@ -23,11 +23,10 @@ A kernel's HLO instruction: its `hlo_op` stat; else, for an XLA kernel, the inst
 in the graph's node order (`place_graph_calls`: the graph's library kernels, grouped by call, are the schedule's
 library calls in order); else its place in time: the custom calls the schedule runs after the instruction of the
 kernel before it on its stream and before the next fusion (the k-th library kernel after that kernel takes the k-th
-call; where the calls are all of one kind, that kind). Its op names: the
-instruction's op_name and those of the instructions fused into it (XLA gives a fusion the op_name of one root, at
-times only "XLA_Retvals"), its constants' aside: XLA's common-subexpression pass keeps one op name for equal
-constants across the program, so a GELU's constant 1 may carry an optimizer's op name; without the HLO, the `name`
-stat.
+call; where the calls are all of one kind, that kind). Its op names: the instruction's op_name and those of the
+instructions fused into it (XLA gives a fusion the op_name of one root, at times only "XLA_Retvals"), its constants
+aside: XLA's common-subexpression pass keeps one op name for equal constants across the program, so a GELU's
+constant 1 may carry an optimizer's op name; without the HLO, the `name` stat.
 
 The rules, the first that matches wins (the name scope's parts are read without Keras' "_1" suffixes):
 1. collective: NCCL and all-reduce kernels, peer-to-peer copies; copy: other copies and memsets (`trace.classify`);
@@ -286,18 +285,17 @@ def hlo_module(proto) -> HloModule:
                 if later.opcode == "custom-call" or later.matmul:
                     following.append(later)
             calls_after[op.name] = tuple(following)
-    return HloModule(ops, by_kernel, calls_after, _library_calls(module, by_id), computation_of)
+    return HloModule(ops, by_kernel, calls_after, _library_calls(module, by_id, instructions), computation_of)
 
 
 def _is_library_call(op: HloOp) -> bool:
     return op.opcode == "custom-call" or (op.matmul and op.opcode != "fusion")
 
 
-def _library_calls(module, by_id: dict) -> tuple[HloOp, ...]:
+def _library_calls(module, by_id: dict, instructions: dict) -> tuple[HloOp, ...]:
     """The module's library calls in the order its schedule reaches them from the entry computation, a while's,
     conditional's or call's computations where the instruction stands."""
     sequences = module.schedule.sequences
-    instructions = {i.id: i for c in module.computations for i in c.instructions}
     found: list[HloOp] = []
 
     def walk(computation_id: int, seen: set) -> None:
