@@ -209,6 +209,52 @@ def test_cudnn_fused_attention_counts_its_two_products_forward_and_five_backward
     assert cost.dot_flops == pytest.approx(4 * batch * heads * tokens * tokens * head_dim * factor)
 
 
+def test_the_transposes_of_fused_attention_results_count_as_attention_and_are_shown_apart():
+    """cuDNN returns the fused attention's O as [B, N, T, H]; the transpose to the layers' [B, T, N, H] (XLA's
+    `wrapped_transpose`, its op name outside the attention layer's scope, as the backward's are) counts as attention
+    and its time is shown apart; a transpose of anything else, or one fused with arithmetic, stays elementwise."""
+    from tf_nvlink.plan import attention
+
+    heads_first, tokens_first = [8, 16, 512, 64], [8, 512, 16, 64]
+    hlo = Hlo()
+    q, k, v = (hlo.parameter(name, ("BF16", tokens_first), number) for number, name in enumerate("qkv"))
+    fmha = hlo.add("XlaCustomCallV2.1", "custom-call", [("BF16", heads_first), ("F32", [8, 16, 512]), ("U8", [256])],
+                   [q, k, v], custom_call_target="__cudnn$fmhaSoftmax", op_name="m/block0_attention_1/XlaCustomCallV2",
+                   backend_config=json.loads(attention.backend_config(8, 16, 512, 512, "bfloat16", 0.125, "causal",
+                                                                      False)))
+    out = hlo.add("get-tuple-element.1", "get-tuple-element", ("BF16", heads_first), [fmha], tuple_index=0)
+
+    def transpose(c, p):
+        return hlo.add("transpose.1", "transpose", ("BF16", tokens_first), p, c)
+
+    def transpose_add(c, p):
+        moved = transpose(c, p)
+        return hlo.add("add.2", "add", ("BF16", tokens_first), [moved, moved], c)
+
+    hlo.fusion("wrapped_transpose.1", ("BF16", tokens_first), [out], transpose, op_name="transpose_1")
+    hlo.fusion("wrapped_transpose.2", ("BF16", tokens_first), [hlo.parameter("x", ("BF16", heads_first), 3)],
+               transpose, op_name="transpose_2")
+    hlo.fusion("loop_add_fusion.3", ("BF16", tokens_first), [out], transpose_add, op_name="add_3")
+    kernels = [("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", 0.0, 1.0, "XlaCustomCallV2.1"),
+               ("wrapped_transpose_1", 1.0, 0.25, "wrapped_transpose.1"),
+               ("wrapped_transpose_2", 1.25, 0.25, "wrapped_transpose.2"),
+               ("loop_add_fusion_3", 1.5, 0.5, "loop_add_fusion.3")]
+    context = StepContext(replicas=1, steps_per_execution=1, gradient_bytes=4 << 20, gradient_tensors=2)
+    report, why = diagnose_space(cost_space(kernels, hlo.done()), step_ms=2.0, steps=1, calls=1, context=context)
+    assert why is None
+    work, cost = report["mean"]["work_ms"], report["mean"]["work_cost"]
+    assert (work["attention"], work["elementwise"]) == (1.25, 0.75)
+    assert (cost["attention"]["attention_layout_ms"], cost["attention"]["attention_layout_ops"]) == (0.25, 1)
+    assert cost["attention"]["executions"] == 2 and cost["elementwise"]["attention_layout_ms"] == 0
+    tensor = math.prod(heads_first) * 2
+    assert cost["attention"]["bytes"] == 3 * tensor + tensor + 8 * 16 * 512 * 4 + 2 * tensor  # the call, the transpose
+    row = report["work_bounds"]["kinds"]["attention"]
+    assert (row["attention_layout_ms"], row["attention_layout_ops"]) == (0.25, 1)
+    assert "attention_layout_ms" not in report["work_bounds"]["kinds"]["elementwise"]
+    assert ("  attention: 0.25 ms of it in 1 transposes of fused-attention results per step (cuDNN gives O, dQ, dK, "
+            "dV as [B, N, T, H]; the layers read [B, T, N, H])") in outputs.render_table(report).splitlines()
+
+
 # ---- a synthetic trace: instructions with shapes on the metadata plane, their kernels on a GPU stream --------------
 def cost_space(kernels, hlo, device_name="NVIDIA H100 80GB HBM3", bandwidth=None):
     """An XSpace: the metadata plane holding `hlo`, GPU:0 with `kernels` on one stream: (name, start_ms, duration_ms,

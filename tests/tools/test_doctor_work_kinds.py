@@ -4,6 +4,7 @@ buffer by their place in the schedule), the breakdown and outputs with the MFU, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -81,8 +82,8 @@ def test_scope_parts_drop_the_suffixes_tensorflow_adds():
 # ---- a synthetic XLA trace: the HLO on the metadata plane, kernels on a GPU stream --------------------------------
 def hlo_proto(instructions, schedule):
     """An HloProto of one module "step": `instructions` are (name, opcode, op_name, target, fused op names) in the
-    entry computation (id 1), each fusion's fused computation holding one instruction per fused op name; `schedule`
-    the entry's instruction names in order."""
+    entry computation (id 1), each fusion's fused computation holding one instruction per fused op name (an "add",
+    or (opcode, op name)); `schedule` the entry's instruction names in order."""
     from tf_nvlink.internals import tf_runtime
 
     proto = tf_runtime.hlo_protobuf_module().HloProto()
@@ -98,7 +99,9 @@ def hlo_proto(instructions, schedule):
             next_id += 1
             computation = module.computations.add(name=f"fused_{name}", id=next_id)
             for index, fused_name in enumerate(fused):
-                inner = computation.instructions.add(name=f"f{next_id}.{index}", opcode="add", id=next_id * 100 + index)
+                fused_opcode, fused_name = fused_name if isinstance(fused_name, tuple) else ("add", fused_name)
+                inner = computation.instructions.add(name=f"f{next_id}.{index}", opcode=fused_opcode,
+                                                     id=next_id * 100 + index)
                 inner.metadata.op_name = fused_name
             instruction.called_computation_ids.append(next_id)
     module.schedule.sequences[1].instruction_ids.extend(ids[name] for name in schedule)
@@ -107,7 +110,8 @@ def hlo_proto(instructions, schedule):
 
 def xla_space(proto, kernels, device_name="NVIDIA H100 80GB HBM3", program_id=7):
     """An XSpace: the metadata plane with `proto`, and GPU:0 with `kernels` on one stream: (kernel name, start_ms,
-    duration_ms, hlo_op or None); every kernel carries the program id and module name, as XLA's do."""
+    duration_ms, hlo_op or None[, graph node id]); every kernel carries the program id and module name, as XLA's do,
+    and one with a graph node id the stats of a kernel inside CUDA graph 5 (`cuda_graph_id`, `cuda_graph_node_id`)."""
     from tf_nvlink.internals import tf_runtime
 
     pb = tf_runtime.xplane_protobuf_module()
@@ -117,12 +121,13 @@ def xla_space(proto, kernels, device_name="NVIDIA H100 80GB HBM3", program_id=7)
     metadata.event_metadata[program_id].id = program_id
     metadata.event_metadata[program_id].stats.add(metadata_id=1, bytes_value=proto.SerializeToString())
     plane = space.planes.add(name="/device:GPU:0")
-    for key, name in enumerate(("hlo_op", "program_id", "hlo_module", "gpu_device_name"), start=1):
+    for key, name in enumerate(("hlo_op", "program_id", "hlo_module", "gpu_device_name", "cuda_graph_id",
+                                "cuda_graph_node_id"), start=1):
         plane.stat_metadata[key].id, plane.stat_metadata[key].name = key, name
     plane.stats.add(metadata_id=4, str_value=device_name)
     line = plane.lines.add(name="Stream #13(Compute)", timestamp_ns=1_000_000)
     names = {}
-    for name, start_ms, duration_ms, hlo_op in kernels:
+    for name, start_ms, duration_ms, hlo_op, *graph_node in kernels:
         if name not in names:
             names[name] = len(names) + 1
             plane.event_metadata[names[name]].id, plane.event_metadata[names[name]].name = names[name], name
@@ -131,6 +136,9 @@ def xla_space(proto, kernels, device_name="NVIDIA H100 80GB HBM3", program_id=7)
         event.stats.add(metadata_id=1, str_value=hlo_op or "command_buffer")
         event.stats.add(metadata_id=2, int64_value=program_id)
         event.stats.add(metadata_id=3, str_value="step")
+        if graph_node:
+            event.stats.add(metadata_id=5, uint64_value=5)
+            event.stats.add(metadata_id=6, uint64_value=graph_node[0])
     return space
 
 
@@ -181,12 +189,97 @@ def test_library_kernels_in_a_command_buffer_take_the_calls_the_schedule_runs_af
     assert sum(b.work_ms.values()) == pytest.approx(b.compute_ms) == pytest.approx(16.0)
 
 
+def test_a_fusions_constants_do_not_lend_it_their_op_names():
+    """XLA's common-subexpression pass keeps one op name for equal constants across the program: in the 368M
+    Transformer's trace (1x H100) the 1 inside block 0's GELU fusion carries `adam_w/update_0_390/sub_1` and another
+    constant a LayerNorm's `moments/mean`; the fusion is the GELU's, elementwise, not the optimizer's."""
+    gelu = [("loop_convert_multiply_fusion.23", "fusion", f"{BLOCK}_ffn_in_1/Gelu/mul_2", "",
+             [f"{BLOCK}_ffn_in_1/Gelu/Erfc", ("constant", "adam_w/update_0_390/sub_1"),
+              ("constant", f"{BLOCK}_ln1_1/moments/mean"), ("multiply", f"{BLOCK}_ffn_in_1/Gelu/mul")])]
+    op = work_kinds.hlo_module(hlo_proto(gelu, [gelu[0][0]])).ops["loop_convert_multiply_fusion.23"]
+    assert op.op_names == (f"{BLOCK}_ffn_in_1/Gelu/mul_2", f"{BLOCK}_ffn_in_1/Gelu/Erfc",
+                           f"{BLOCK}_ffn_in_1/Gelu/mul")
+    assert kind_of("loop_convert_multiply_fusion_23", op) == "elementwise"
+
+
 def test_without_the_hlo_the_command_buffers_gemms_count_as_matmul_and_fusions_as_elementwise():
     events = [work_kinds.KernelEvent(name, "compute", hlo_op, None, 7, "step")
               for name, _, _, hlo_op in ATTENTION_KERNELS]
     assert work_kinds.classify_stream(work_kinds.HloIndex(), events) == [
         "elementwise", "matmul", "matmul", "matmul", "elementwise", "matmul", "elementwise", "matmul", "matmul",
         "elementwise"]
+
+
+# A layer as the 368M Transformer's compiled step holds it (1x H100): the schedule runs a query gemm, cuDNN's fused
+# attention, a GELU, the attention's backward and an FFN gemm's weight gradient; inside the CUDA graph, the FFN gemm
+# (independent of the rest) runs first and the backward launches three kernels, cuDNN's dO.O before its main kernel
+# and its dQ conversion after it. The graph's node ids keep the schedule's order: XLA's kernels first, then the
+# library calls' kernels as they were traced into the graph.
+GRAPH_HLO = [
+    ("loop_add_fusion.1", "fusion", f"{BLOCK}_ln1_1/add", "", []),
+    ("cublas-gemm.1", "custom-call", f"{BLOCK}_attention_1/query_1/einsum/Einsum", "__cublas$gemm", []),
+    ("XlaCustomCallV2.1", "custom-call", f"{BLOCK}_attention_1/XlaCustomCallV2", "__cudnn$fmhaSoftmax", []),
+    ("loop_multiply_fusion.2", "fusion", f"{BLOCK}_ffn_in_1/Gelu/mul", "", []),
+    ("XlaCustomCallV2.2", "custom-call", "XlaCustomCallV2_1", "__cudnn$fmhaSoftmaxBackward", []),
+    ("cublas-gemm.2", "custom-call", f"gradient_tape/{BLOCK}_ffn_in_1/MatMul/MatMul_1", "__cublas$gemm", []),
+]
+GRAPH_KERNELS = [  # (kernel, start, duration, hlo_op, graph node id), in the order they ran
+    ("loop_add_fusion_1", 0.0, 1.0, None, 100),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 1.0, 2.0, None, 207),
+    ("cublasLt::splitKreduce_kernel", 3.0, 0.5, None, 208),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", 3.5, 1.5, None, 201),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_32", 5.0, 1.0, None, 202),
+    ("loop_multiply_fusion_2", 6.0, 1.0, None, 103),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*)", 7.0, 0.5,
+     None, 204),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64", 7.5, 2.0, None, 205),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int)", 9.5, 0.5, None, 206),
+]
+
+
+def test_library_kernels_in_a_cuda_graph_take_their_calls_from_the_graphs_node_order():
+    """Each library kernel gets the call of its place in node order, whatever order the graph ran them in: the FFN
+    gemm's two kernels its weight gradient (matmul), the query gemm the projection (matmul), the three kernels of
+    the backward one fMHA call (attention, counted once)."""
+    space = xla_space(hlo_proto(GRAPH_HLO, [name for name, *_ in GRAPH_HLO]), GRAPH_KERNELS)
+    index = work_kinds.HloIndex.from_space(space)
+    events = [work_kinds.KernelEvent(name, "compute", None, None, 7, "step", 5, node)
+              for name, _, _, _, node in GRAPH_KERNELS]
+    assert [op.name if op else None for _, op in work_kinds.resolve_stream(index, events)] == [
+        "loop_add_fusion.1", "cublas-gemm.2", "cublas-gemm.2", "cublas-gemm.1", "XlaCustomCallV2.1",
+        "loop_multiply_fusion.2", "XlaCustomCallV2.2", "XlaCustomCallV2.2", "XlaCustomCallV2.2"]
+    (activity,) = gpu_activity(space).values()
+    b = replica_breakdown(activity, step_ms=10.0, steps=1, calls=1)
+    assert b.work_ms["matmul"] == pytest.approx(2.0 + 0.5 + 1.5)
+    assert b.work_ms["attention"] == pytest.approx(1.0 + 0.5 + 2.0 + 0.5)
+    assert b.work_cost["attention"]["executions"] == b.work_cost["matmul"]["executions"] == 2
+    assert b.work_cost["matmul"]["ms_without_instruction"] == b.work_cost["attention"]["ms_without_instruction"] == 0
+    # by time alone (no node ids), the FFN gemm's kernels would take the query gemm's and the fMHA's calls
+    timed = [dataclasses.replace(event, graph_node=None) for event in events]
+    assert [op.name if op else None for _, op in work_kinds.resolve_stream(index, timed)][1:4] == [
+        "cublas-gemm.1", "cublas-gemm.1", "XlaCustomCallV2.1"]
+
+
+def test_a_graph_whose_library_kernels_do_not_fit_its_calls_keeps_the_rule_of_their_place_in_time():
+    """One kernel of the six calls missing from the trace (a count that disagrees), or a gemm kernel where the
+    schedule has cuDNN's fused attention: no placement by node order."""
+    index = work_kinds.HloIndex.from_space(xla_space(hlo_proto(GRAPH_HLO, [n for n, *_ in GRAPH_HLO]), []))
+    events = [work_kinds.KernelEvent(name, "compute", None, None, 7, "step", 5, node)
+              for name, _, _, _, node in GRAPH_KERNELS]
+    assert len(work_kinds.place_graph_calls(index, events)) == 7  # every library kernel
+    assert work_kinds.place_graph_calls(index, events[:4] + events[5:]) == {}   # the forward fMHA's kernel missing
+    swapped = [dataclasses.replace(e, graph_node={201: 202, 202: 201}.get(e.graph_node, e.graph_node)) for e in events]
+    assert work_kinds.place_graph_calls(index, swapped) == {}   # a gemm kernel in the fMHA call's place
+
+
+def test_cudnns_helper_kernels_are_library_kernels_not_xla_fusions():
+    """`void cudnn::fusion::...` holds "fusion" but is no XLA kernel: it joins its cuDNN call, the backward's
+    dO.O the call after it even behind another cuDNN call, its dQ conversion the call before it."""
+    in_node_order = [name for name, *_, node in sorted(GRAPH_KERNELS, key=lambda k: k[-1]) if node > 200]
+    assert work_kinds.group_library_kernels(in_node_order) == [[0], [1], [2, 3, 4], [5, 6]]
+    assert kind_of("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int)", None) == \
+        "matmul"  # placed nowhere, the name alone: a cuDNN kernel
+    assert kind_of("loop_add_fusion_1", None) == "elementwise"
 
 
 def test_calls_of_one_kind_give_that_kind_whatever_the_count():

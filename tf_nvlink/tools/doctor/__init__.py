@@ -12,6 +12,8 @@ and what NVLink buys.
 - `diagnosis`: trace -> report dict; `outputs`: table, JSON, PNG, TensorBoard summaries (scalars, text, image);
 - `callback`: `StepDoctor`, the Keras callback (also `tf_nvlink.StepDoctor`);
 - `bench` and `command`: `tf-nvlink doctor` (also `python -m tf_nvlink.tools.doctor`) on a benchmark model.
+- `reread`: a saved run (step_doctor.json and its trace) read again by the current doctor (`tf-nvlink doctor
+  --reread`).
 
 Example:
     >>> model.fit(data, epochs=1, steps_per_epoch=2000, callbacks=[tf_nvlink.StepDoctor()])

@@ -63,7 +63,8 @@ def bound_row(ms: float, cost: dict, memory: Optional[dict], peak: Optional[dict
     """One kind against its bound: its ms, GB and TFLOP per step, its HLO instructions' executions per step
     ("hlo_ops": a fusion, a gemm or a convolution is one, whatever kernels it launches), the memory and compute
     times, the bound and what sets it, measured / bound and the ms above it; "why" instead of a bound where there is
-    none.
+    none; with transposes of fused-attention results among its kernels, their ms and executions
+    ("attention_layout_ms", "attention_layout_ops").
 
     Example:
         >>> bound_row(6.14, {"bytes": 2.0e9, "flops": 1e9}, {"tb_per_s": 3.35}, {"tflops": 989.4})["bound_by"]
@@ -76,6 +77,8 @@ def bound_row(ms: float, cost: dict, memory: Optional[dict], peak: Optional[dict
            "memory_ms": moved / (memory["tb_per_s"] * 1e12) * 1e3 if memory else None,
            "compute_ms": flops / (peak["tflops"] * 1e12) * 1e3 if peak else None,
            "bound_ms": None, "bound_by": None, "x_bound": None, "above_bound_ms": None}
+    if cost.get("attention_layout_ms", 0.0) > 0:
+        row.update(attention_layout_ms=cost["attention_layout_ms"], attention_layout_ops=cost["attention_layout_ops"])
     if memory is None:
         row["why"] = "no memory bandwidth for this GPU (not in tf_nvlink.plan.gpu_peaks, none in the trace)"
     elif unattributed > UNATTRIBUTED_SHARE * ms:

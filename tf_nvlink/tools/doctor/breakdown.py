@@ -153,8 +153,9 @@ def replica_breakdown(activity: GpuActivity, step_ms: float, steps: int, calls: 
 
 def cost_per_step(cost: WorkCost, steps: int) -> dict:
     """A kind's WorkCost over the window as the report gives it per step: "bytes", "flops", "dot_flops",
-    "float32_dot_flops", "executions", and the ms of its kernels with no instruction known
-    ("ms_without_instruction") and of its fused-attention kernels ("fused_attention_ms").
+    "float32_dot_flops", "executions", the ms of its kernels with no instruction known ("ms_without_instruction")
+    and of its fused-attention kernels ("fused_attention_ms"), and the ms and executions of the transposes of their
+    results ("attention_layout_ms", "attention_layout_ops").
 
     Example:
         >>> per_step = cost_per_step(WorkCost(bytes=2_000_000, flops=1e9, unattributed_ps=10**9), steps=10)
@@ -164,7 +165,9 @@ def cost_per_step(cost: WorkCost, steps: int) -> dict:
     return {"bytes": cost.bytes / steps, "flops": cost.flops / steps, "dot_flops": cost.dot_flops / steps,
             "float32_dot_flops": cost.float32_dot_flops / steps, "executions": cost.executions / steps,
             "ms_without_instruction": cost.unattributed_ps / steps / PS_PER_MS,
-            "fused_attention_ms": cost.fused_attention_ps / steps / PS_PER_MS}
+            "fused_attention_ms": cost.fused_attention_ps / steps / PS_PER_MS,
+            "attention_layout_ms": cost.attention_layout_ps / steps / PS_PER_MS,
+            "attention_layout_ops": cost.attention_layout_executions / steps}
 
 
 def _memory_ps(activity: GpuActivity, memory: str) -> int:

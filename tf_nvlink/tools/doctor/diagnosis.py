@@ -21,9 +21,10 @@ from tf_nvlink.tools.doctor.verdict import StepContext, diagnose
 
 
 def context_dict(context: StepContext) -> dict:
-    """The StepContext as JSON (the link by name)."""
+    """The StepContext as JSON: the link by name, and its model's fields ("link_model", which `reread` restores)."""
     out = dataclasses.asdict(context)
     out["link"] = context.link.name if context.link else None
+    out["link_model"] = dataclasses.asdict(context.link) if context.link else None
     return out
 
 

@@ -87,7 +87,7 @@ def _number(value, digits: int) -> str:
 def bound_lines(bounds: Optional[dict]) -> list[str]:
     """The report's "work_bounds" as a table: per kind of compute work its ms, GB and TFLOP per step, HLO ops per
     step (instruction executions), its bound (ms) and what sets it, measured / bound and the ms above it; then why
-    a kind has no bound.
+    a kind has no bound, and the part of a kind's time in transposes of fused-attention results.
 
     Example:
         >>> print("\\n".join(bound_lines(report["work_bounds"])))
@@ -111,6 +111,9 @@ def bound_lines(bounds: Optional[dict]) -> list[str]:
     lines = [f"kinds of work against their bound (ms per step; {label}: {against})"]
     lines += table(rows, right={1, 2, 3, 4, 5, 7, 8}, header_rows=1)
     lines += [f"  {kind}: no bound: {row['why']}" for kind, row in kinds.items() if row.get("why")]
+    lines += [f"  {kind}: {row['attention_layout_ms']:.2f} ms of it in {row['attention_layout_ops']:.0f} transposes "
+              f"of fused-attention results per step (cuDNN gives O, dQ, dK, dV as [B, N, T, H]; the layers read "
+              f"[B, T, N, H])" for kind, row in kinds.items() if row.get("attention_layout_ms")]
     return lines
 
 

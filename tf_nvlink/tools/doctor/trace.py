@@ -124,8 +124,8 @@ class WorkCost:
     """What one kind of work's kernels cost over the window, from their HLO instructions (`hlo_cost`): bytes read
     and written, FLOPs and the part of them done by dots, convolutions and fused attention (`dot_flops`; on float32
     or float64 operands: `float32_dot_flops`), the instruction executions counted, and the summed time (ps) of its
-    kernels with no instruction known (`unattributed_ps`) and of its fused-attention kernels
-    (`fused_attention_ps`)."""
+    kernels with no instruction known (`unattributed_ps`), of its fused-attention kernels (`fused_attention_ps`) and
+    of the transposes of their results (`attention_layout_ps`, in `attention_layout_executions`)."""
 
     bytes: int = 0
     flops: float = 0.0
@@ -134,6 +134,8 @@ class WorkCost:
     executions: int = 0
     unattributed_ps: int = 0
     fused_attention_ps: int = 0
+    attention_layout_ps: int = 0
+    attention_layout_executions: int = 0
 
 
 @dataclasses.dataclass
@@ -189,20 +191,23 @@ def keep_trace(logdir: str, target: str) -> Optional[str]:
 
 
 def load_space(path: str):
-    """The XSpace protobuf in the file at `path`."""
+    """The XSpace protobuf in the file at `path` (gzipped where `path` ends in .gz); TraceError when it is none."""
+    from google.protobuf.message import DecodeError  # noqa: PLC0415
+
     from tf_nvlink.internals import tf_runtime  # noqa: PLC0415 - TensorFlow only when a trace is read
 
     space = tf_runtime.xplane_protobuf_module().XSpace()
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
             space.ParseFromString(f.read())
-    except (OSError, ValueError) as exc:  # protobuf's DecodeError is a ValueError
+    except (OSError, ValueError, DecodeError) as exc:  # upb's DecodeError is no ValueError
         raise TraceError(f"cannot read the trace {path}: {exc}") from exc
     return space
 
 
 # The stats of a kernel event that name its HLO instruction and its TensorFlow op (work_kinds.KernelEvent's fields)
-_KERNEL_STATS = {"hlo_op": "hlo_op", "name": "tf_op_name", "program_id": "program_id", "hlo_module": "module_name"}
+_KERNEL_STATS = {"hlo_op": "hlo_op", "name": "tf_op_name", "program_id": "program_id", "hlo_module": "module_name",
+                 "cuda_graph_id": "graph_id", "cuda_graph_node_id": "graph_node"}
 
 
 def gpu_activity(space) -> dict[str, GpuActivity]:
@@ -271,6 +276,9 @@ def _add_cost(total: WorkCost, kernel, op, previous, duration_ps: int) -> None:
     once), or its time to the unattributed time without an instruction."""
     if work_kinds.is_fused_attention(kernel.name, op):
         total.fused_attention_ps += duration_ps
+    if op is not None and op.attention_layout:
+        total.attention_layout_ps += duration_ps
+        total.attention_layout_executions += op is not previous
     if op is None:
         total.unattributed_ps += duration_ps
     elif op is not previous:
@@ -306,8 +314,9 @@ def _kernel_stats(plane, event, stat_ids: dict) -> dict:
             found[field] = meta.name if meta is not None else None
         elif which is not None:
             found[field] = getattr(stat, which)
-    if found.get("program_id") is not None:
-        found["program_id"] = int(found["program_id"])
+    for field in ("program_id", "graph_id", "graph_node"):
+        if found.get(field) is not None:
+            found[field] = int(found[field])
     return found
 
 
