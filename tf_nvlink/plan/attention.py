@@ -23,7 +23,6 @@ import json
 from typing import Optional
 
 SETTINGS = ("auto", "off")
-DEFAULT_SETTING = "auto"
 FORWARD_TARGET = "__cudnn$fmhaSoftmax"
 BACKWARD_TARGET = "__cudnn$fmhaSoftmaxBackward"
 DTYPES = {"bfloat16": "BF16", "float16": "F16"}

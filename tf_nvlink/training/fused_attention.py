@@ -66,14 +66,28 @@ _COUNTS_LOCK = threading.Lock()
 @dataclasses.dataclass(frozen=True)
 class MaskOrigin:
     """What an attention mask was made of, kept on it by `attention_mask_made`: the query's Keras mask [B, T] (or
-    None), the keys' [B, S] (value and key masks ANDed, or None), whether Keras' causal mask is in it, and whether
-    it holds nothing else (no attention_mask argument, no sliding window)."""
+    None), the keys' Keras masks [B, S] (value's and key's, those given), whether Keras' causal mask is in it, and
+    whether it holds nothing else (no attention_mask argument, no sliding window)."""
 
     query_mask: object
-    key_mask: object
+    key_masks: tuple
     causal: bool
     only_keras_masks: bool
-    same_padding: bool
+
+    @property
+    def same_padding(self) -> bool:
+        """The query and the keys are padded by one mask (self-attention over one masked sequence)."""
+        return self.query_mask is not None and bool(self.key_masks) and all(
+            mask is self.query_mask for mask in self.key_masks)
+
+    def padding(self, shared: bool) -> "Padding":
+        """The masks as bool tensors, the keys' ANDed (made only for a call that runs fused)."""
+        key_mask = None
+        for mask in self.key_masks:
+            mask = tf.cast(mask, tf.bool)
+            key_mask = mask if key_mask is None else tf.logical_and(key_mask, mask)
+        query_mask = None if self.query_mask is None else tf.cast(self.query_mask, tf.bool)
+        return Padding(query_mask, key_mask, shared)
 
 
 def decision_counts() -> dict:
@@ -94,18 +108,11 @@ def attention_mask_made(mask, arguments: dict) -> None:
     mask: what the mask was made of is kept on it (`MaskOrigin`), for `dot_product_attention` to recognise."""
     if mask is None:
         return
-    query_mask = arguments.get("query_mask")
-    key_masks = [m for m in (arguments.get("value_mask"), arguments.get("key_mask")) if m is not None]
-    same = query_mask is not None and all(m is query_mask for m in key_masks) and bool(key_masks)
-    key_mask = None
-    for m in key_masks:
-        m = tf.cast(m, tf.bool)
-        key_mask = m if key_mask is None else tf.logical_and(key_mask, m)
     attention_inputs.tag_mask(mask, MaskOrigin(
-        query_mask=None if query_mask is None else tf.cast(query_mask, tf.bool), key_mask=key_mask,
+        query_mask=arguments.get("query_mask"),
+        key_masks=tuple(m for m in (arguments.get("value_mask"), arguments.get("key_mask")) if m is not None),
         causal=bool(arguments.get("use_causal_mask")),
-        only_keras_masks=arguments.get("attention_mask") is None and arguments.get("sliding_window") is None,
-        same_padding=same))
+        only_keras_masks=arguments.get("attention_mask") is None and arguments.get("sliding_window") is None))
 
 
 def dot_product_attention(keras_attention: Callable, arguments: dict):
@@ -126,7 +133,7 @@ def dot_product_attention(keras_attention: Callable, arguments: dict):
     scale = float(scale) if scale is not None else float(query.shape[-1]) ** -0.5
     padding = None
     if facts.mask.startswith("padding"):
-        padding = Padding(origin.query_mask, origin.key_mask, facts.mask == "padding_causal")
+        padding = origin.padding(shared=facts.mask == "padding_causal")
     return attend(query, key, value, scale, facts.mask in ("causal", "padding_causal"), facts.batch, padding)
 
 
@@ -155,7 +162,7 @@ def _mask_kind(arguments: dict, origin: Optional[MaskOrigin]) -> str:
         return "causal" if causal else "none"
     if origin is None or not origin.only_keras_masks:
         return "tensor"
-    if origin.query_mask is None and origin.key_mask is None:  # Keras' causal mask alone, as a tensor (Keras < 3.15)
+    if origin.query_mask is None and not origin.key_masks:  # Keras' causal mask alone, as a tensor (Keras < 3.15)
         return "causal" if causal or origin.causal else "tensor"
     return "padding_causal" if causal or origin.causal else "padding"
 
