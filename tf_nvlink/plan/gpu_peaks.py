@@ -112,10 +112,7 @@ def memory_bandwidth(gpu_name: Optional[str]) -> Optional[GpuMemory]:
         >>> memory_bandwidth("NVIDIA A100-SXM4-80GB").label
         'A100 80GB SXM'
     """
-    if not gpu_name:
-        return None
-    upper = gpu_name.upper()
-    return next((row for row in HBM_BANDWIDTHS if re.search(row.pattern, upper)), None)
+    return _first_match(HBM_BANDWIDTHS, gpu_name)
 
 
 def bf16_dense_peak(gpu_name: Optional[str]) -> Optional[GpuPeak]:
@@ -127,10 +124,15 @@ def bf16_dense_peak(gpu_name: Optional[str]) -> Optional[GpuPeak]:
         >>> bf16_dense_peak("Tesla V100-SXM2-32GB") is None   # no bf16 tensor cores: not in the table
         True
     """
+    return _first_match(PEAKS, gpu_name)
+
+
+def _first_match(table, gpu_name: Optional[str]):
+    """The first row of `table` whose pattern the upper-cased `gpu_name` matches; None for no name or no row."""
     if not gpu_name:
         return None
     upper = gpu_name.upper()
-    return next((peak for peak in PEAKS if re.search(peak.pattern, upper)), None)
+    return next((row for row in table if re.search(row.pattern, upper)), None)
 
 
 def mfu(model_flops_per_step: float, step_seconds: float, gpu_name: Optional[str], gpus: int = 1) -> Optional[float]:
