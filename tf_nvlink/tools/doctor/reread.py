@@ -30,11 +30,10 @@ from typing import Optional
 from tf_nvlink.tools.costmodel import model as costmodel
 from tf_nvlink.tools.costmodel.model import REPLICA_OVERHEAD_HOST_FED_MS
 from tf_nvlink.tools.doctor.diagnosis import diagnose_space
-from tf_nvlink.tools.doctor.trace import TraceError, load_space
+from tf_nvlink.tools.doctor.trace import TraceError, load_space, newest_trace
 from tf_nvlink.tools.doctor.verdict import StepContext
 
 REPORT_NAME = "step_doctor.json"
-TRACE_PATTERNS = ("*.xplane.pb", "*.xplane.pb.gz")
 # What a re-read takes over from the saved report as it is: measured during the run, not in the trace.
 CARRIED_KEYS = ("nvlink_bytes_per_step", "fit_call", "window", "optimizer_states")
 WINDOW_KEYS = ("steps", "calls", "step_ms")
@@ -81,12 +80,6 @@ def load_saved_report(path: str) -> dict:
     return report
 
 
-def _newest_trace(folder: str) -> Optional[str]:
-    paths = [path for pattern in TRACE_PATTERNS
-             for path in glob.glob(os.path.join(glob.escape(folder), "**", pattern), recursive=True)]
-    return max(paths, key=os.path.getmtime) if paths else None
-
-
 def saved_trace_path(report_path: str, report: dict, trace: Optional[str] = None) -> tuple[str, str]:
     """(the trace of a saved run, where it was found: "given", "the report" or "beside the report"), in the order
     the module doc gives; RereadError naming every place looked at when there is none.
@@ -98,7 +91,7 @@ def saved_trace_path(report_path: str, report: dict, trace: Optional[str] = None
     if trace is not None:
         if os.path.isfile(trace):
             return trace, "given"
-        found = _newest_trace(trace) if os.path.isdir(trace) else None
+        found = newest_trace(os.path.join(glob.escape(trace), "**")) if os.path.isdir(trace) else None
         if found:
             return found, "given"
         raise RereadError(f"no trace at {trace} (give an .xplane.pb or .xplane.pb.gz file, or a folder holding one)")
@@ -106,7 +99,7 @@ def saved_trace_path(report_path: str, report: dict, trace: Optional[str] = None
     if isinstance(stored, str) and os.path.isfile(stored):
         return stored, "the report"
     folder = os.path.dirname(report_path) or os.curdir
-    found = _newest_trace(folder)
+    found = newest_trace(os.path.join(glob.escape(folder), "**"))
     if found:
         return found, "beside the report"
     beside = [os.path.abspath(folder) + suffix for suffix in (".xplane.pb.gz", ".xplane.pb")]

@@ -163,14 +163,29 @@ class GpuActivity:
         return sum(len(v) for v in self.intervals.values())
 
 
+TRACE_PATTERNS = ("*.xplane.pb", "*.xplane.pb.gz")
+
+
+def newest_trace(folders: str) -> Optional[str]:
+    """The newest `.xplane.pb` or `.xplane.pb.gz` in the folders the glob `folders` names ("**" for any depth), or
+    None.
+
+    Example:
+        >>> newest_trace("/tmp/doctor/profile/plugins/profile/*")
+        '/tmp/doctor/profile/plugins/profile/2026_12_07_15_29_01/vm.xplane.pb'
+    """
+    paths = [path for pattern in TRACE_PATTERNS
+             for path in glob.glob(os.path.join(folders, pattern), recursive=True)]
+    return max(paths, key=os.path.getmtime) if paths else None
+
+
 def find_trace(logdir: str) -> str:
     """The newest `.xplane.pb` the profiler wrote under `logdir` (or a kept `.xplane.pb.gz`); TraceError naming
     `logdir` when there is none."""
-    paths = [path for pattern in ("*.xplane.pb", "*.xplane.pb.gz")
-             for path in glob.glob(os.path.join(logdir, "plugins", "profile", "*", pattern))]
-    if not paths:
+    path = newest_trace(os.path.join(logdir, "plugins", "profile", "*"))
+    if path is None:
         raise TraceError(f"the profiler wrote no .xplane.pb under {logdir}/plugins/profile")
-    return max(paths, key=os.path.getmtime)
+    return path
 
 
 def keep_trace(logdir: str, target: str) -> Optional[str]:
