@@ -581,11 +581,34 @@ def embedding_repeated_ids(where):
     return _summary(model, history)
 
 
+def attention_masks(where):
+    """Self-attention over padded sequences (Embedding(mask_zero=True): right padding, a hole, a sequence with no
+    token), causal MultiHeadAttention and GroupQueryAttention, with Adam: the masks the layers make from their
+    inputs' Keras masks pass through tf_nvlink's attention seams (fused only for bfloat16 or float16 on GPUs). No
+    projection biases: the key's is zero in exact arithmetic, and Adam would turn its rounding noise into steps."""
+    tokens = np.random.default_rng(13).integers(1, 12, (33, 7)).astype("int32")
+    for row, length in enumerate(np.random.default_rng(14).integers(0, 8, 33)):
+        tokens[row, length:] = 0
+    tokens[2, 1] = 0
+    with where.scope():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,), dtype="int32")
+        hidden = keras.layers.Embedding(12, 8, mask_zero=True)(inputs)
+        hidden = keras.layers.Add()([hidden, keras.layers.MultiHeadAttention(2, 4, use_bias=False)(
+            hidden, hidden, use_causal_mask=True)])
+        hidden = keras.layers.Add()([hidden, keras.layers.GroupQueryAttention(4, 2, 1, use_bias=False)(hidden, hidden)])
+        model = keras.Model(inputs, keras.layers.Dense(12)(hidden))
+    model = where.compile(model, optimizer=lambda: keras.optimizers.Adam(0.01),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(tokens[:, :-1], tokens[:, 1:], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return _summary(model, history)
+
+
 ROWS = {row.__name__: row for row in (
     bn_unknown_length, class_weight_numpy, class_weight_dataset, sample_weight_dataset, validation_callbacks,
     validation_freq, multi_output_dict, unbuilt_reshuffle, generator_passes, python_generator, pydataset_shuffle,
     numpy_shuffle, on_batch_calls, input_error, batchnorm_synchronized, mixed_precision, batch_logs, fit_arguments,
-    optimizer_options, custom_train_step, run_eagerly, embedding_repeated_ids)}
+    optimizer_options, custom_train_step, run_eagerly, embedding_repeated_ids, attention_masks)}
 
 
 def run(selected):

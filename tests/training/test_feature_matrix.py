@@ -36,7 +36,7 @@ ROWS = ["bn_unknown_length", "class_weight_numpy", "class_weight_dataset", "samp
         "validation_callbacks", "validation_freq", "multi_output_dict", "unbuilt_reshuffle", "generator_passes",
         "python_generator", "pydataset_shuffle", "numpy_shuffle", "on_batch_calls", "input_error",
         "batchnorm_synchronized", "mixed_precision", "batch_logs", "fit_arguments", "optimizer_options",
-        "custom_train_step", "run_eagerly", "embedding_repeated_ids"]
+        "custom_train_step", "run_eagerly", "embedding_repeated_ids", "attention_masks"]
 # The default run: fused mode on 2 replicas (the GPU path), both paths, one row per fix (NaN logs of an empty
 # replica, per-output losses, the build that takes no batch, *_on_batch, input errors, eager steps); every other
 # cell is in the slow tier. About 50 s of one core.
